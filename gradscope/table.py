@@ -1,0 +1,126 @@
+"""The one interchange format: the tidy long table of SPEC §3.
+
+Every recorded number is one row. Matrices (cosine similarities, DLCL weights) are rows
+``(layer=i, layer_j=j, value)`` and are pivoted only to plot.
+
+Columns:
+    run: free-form run name.
+    variant: model variant (``post_ln``...) or the model's class name for foreign models.
+    step: optimizer step the row belongs to.
+    micro_step: micro-batch index inside a gradient-accumulation step; ``-1`` for values
+        of the accumulated step (parameter gradients, the summed loss).
+    rank: ``torch.distributed`` rank that measured the value (0 without distributed).
+    stack: ``"encoder"``, ``"decoder"`` or ``""`` for model-level rows.
+    layer: 1-based layer index for sites inside ``<stack>.layers.<i>`` (module index
+        i + 1, as the papers count), 0 for ``<stack>.embed.out``, ``<NA>`` for other
+        stack-level rows. For matrix quantities: the row index i.
+    site: full site name from the module tree (``decoder.layers.3.cross_attn.norm.in``);
+        for parameter norms, the module prefix (``""`` for the total).
+    quantity: ``act_grad_norm``, ``param_grad_norm``, ``ln_gain``, ``ln_w_over_sigma``,
+        ``cosine``, ``dlcl_weight``, ``scalenorm_g``, ``loss``, ``val_loss``, ``lr``,
+        ``update_ratio``, ``nonfinite``.
+    value: the number (float64).
+    layer_j: column index j of matrix quantities, ``<NA>`` otherwise.
+    reduction: how the loss was reduced over tokens (``"mean"`` or ``"sum"``), so that
+        gradient norms from different runs are comparable.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import pandas as pd
+
+COLUMNS: tuple[str, ...] = (
+    "run",
+    "variant",
+    "step",
+    "micro_step",
+    "rank",
+    "stack",
+    "layer",
+    "site",
+    "quantity",
+    "value",
+    "layer_j",
+    "reduction",
+)
+
+DTYPES: dict[str, str] = {
+    "run": "string",
+    "variant": "string",
+    "step": "int64",
+    "micro_step": "int64",
+    "rank": "int64",
+    "stack": "string",
+    "layer": "Int64",
+    "site": "string",
+    "quantity": "string",
+    "value": "float64",
+    "layer_j": "Int64",
+    "reduction": "string",
+}
+
+QUANTITIES: tuple[str, ...] = (
+    "act_grad_norm",
+    "param_grad_norm",
+    "ln_gain",
+    "ln_w_over_sigma",
+    "cosine",
+    "dlcl_weight",
+    "scalenorm_g",
+    "loss",
+    "lr",
+    "update_ratio",
+    "nonfinite",
+    "val_loss",
+)
+
+
+def empty_frame() -> pd.DataFrame:
+    """Returns an empty table with the canonical columns and dtypes."""
+    return pd.DataFrame({c: pd.Series(dtype=t) for c, t in DTYPES.items()})
+
+
+def make_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
+    """Builds a canonical table from row mappings.
+
+    Args:
+        rows: mappings with some or all of ``COLUMNS``; missing optional fields get
+            defaults (``micro_step=-1``, ``rank=0``, ``layer``/``layer_j`` NA, strings
+            ``""``).
+
+    Returns:
+        A DataFrame with exactly ``COLUMNS`` in order and ``DTYPES``.
+
+    Raises:
+        ValueError: a row has a field that is not a column.
+    """
+    rows = list(rows)
+    for row in rows:
+        extra = set(row) - set(COLUMNS)
+        if extra:
+            raise ValueError(f"unknown table column(s) {sorted(extra)}; valid: {list(COLUMNS)}")
+    if not rows:
+        return empty_frame()
+    df = pd.DataFrame.from_records(rows)
+    defaults = {"micro_step": -1, "rank": 0, "run": "", "variant": "", "stack": "", "site": "", "reduction": "mean"}
+    for col in COLUMNS:
+        if col not in df:
+            df[col] = defaults.get(col, pd.NA)
+        elif col in defaults:
+            df[col] = df[col].fillna(defaults[col])
+    return df[list(COLUMNS)].astype(DTYPES)
+
+
+def validate_frame(df: pd.DataFrame) -> None:
+    """Checks that ``df`` has the canonical columns.
+
+    Raises:
+        ValueError: naming the missing or unexpected columns.
+    """
+    missing = [c for c in COLUMNS if c not in df.columns]
+    extra = [c for c in df.columns if c not in COLUMNS]
+    if missing or extra:
+        raise ValueError(f"not a gradscope table: missing columns {missing}, unexpected {extra}")
