@@ -3,12 +3,18 @@
 Public names:
     ModelConfig, build_model, VARIANTS, INITS, admin_init, presets — the model zoo.
     site_names — the hook points of a model.
+    Recorder, record, snapshot — the recorder; load, save_frame — parquet I/O.
     COLUMNS — the tidy table's columns (SPEC §3).
 """
 
 from gradscope import presets
 from gradscope.config import ModelConfig
-from gradscope.models import INITS, VARIANTS, Site, admin_init, build_model, site_names
+from gradscope.models import INITS, VARIANTS, Site, SiteNorm, admin_init, build_model, site_names
+from gradscope.io import load, save_frame
+from gradscope.recorder import Recorder, record, snapshot
 from gradscope.table import COLUMNS
 
-__all__ = ["COLUMNS", "INITS", "VARIANTS", "ModelConfig", "Site", "admin_init", "build_model", "presets", "site_names"]
+__all__ = [
+    "COLUMNS", "INITS", "VARIANTS", "ModelConfig", "Recorder", "Site", "SiteNorm", "admin_init", "build_model", "load",
+    "presets", "record", "save_frame", "site_names", "snapshot",
+]

@@ -18,7 +18,9 @@ Columns:
         for parameter norms, the module prefix (``""`` for the total).
     quantity: ``act_grad_norm``, ``param_grad_norm``, ``ln_gain``, ``ln_w_over_sigma``,
         ``cosine``, ``dlcl_weight``, ``scalenorm_g``, ``loss``, ``val_loss``, ``lr``,
-        ``update_ratio``, ``nonfinite``.
+        ``update_ratio``, ``nonfinite`` (forward activations that held a NaN/Inf, value =
+        order of appearance, 0 first), ``nonfinite_grad`` (the same for gradients, after
+        every forward row), ``act_norm`` (‖h‖₂ of the site's forward value).
     value: the number (float64).
     layer_j: column index j of matrix quantities, ``<NA>`` otherwise.
     reduction: how the loss was reduced over tokens (``"mean"`` or ``"sum"``), so that
@@ -74,6 +76,8 @@ QUANTITIES: tuple[str, ...] = (
     "lr",
     "update_ratio",
     "nonfinite",
+    "nonfinite_grad",
+    "act_norm",
     "val_loss",
 )
 

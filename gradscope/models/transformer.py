@@ -40,6 +40,10 @@ class ZooModel(nn.Module):
         """Name → stack, encoder first."""
         return {name: m for name, m in self.named_children() if isinstance(m, Stack)}
 
+    def stack_tokens(self, *inputs: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Stack name → the (B, T) token tensor it reads, for the inputs of one forward."""
+        return dict(zip(self.stacks(), inputs))
+
 
 class EncoderDecoder(ZooModel):
     """Encoder–decoder translation model (Vaswani 2017).

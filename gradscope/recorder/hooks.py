@@ -1,0 +1,213 @@
+"""The hook functions of one recorded step.
+
+A :class:`StepHooks` lives for one ``Recorder.step`` context. Forward hooks put 0-d norms
+on the device buffer and register tensor hooks on a view of each site's value, so that the
+gradient seen is the one flowing through that site's position in the graph (for a norm
+input: through the norm only). Nothing calls ``.item()``.
+
+Activation checkpointing re-runs forward hooks during backward. Forward statistics are
+taken once per (micro-step, site); a gradient hook is registered once, on the first value
+that requires grad (the original forward for non-reentrant checkpointing, the recompute
+for reentrant checkpointing, whose first pass runs under ``no_grad``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradscope.models.norms import ScaleNorm
+from gradscope.recorder.layout import Layout, NormProbe, Probe
+from gradscope.recorder.store import StepBuffer
+
+
+def _norm(t: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+
+
+def w_over_sigma(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """mean over tokens and features of w_f/σ_t, σ_t what the norm divides token t by (Xu 2020 Table 2).
+
+    LayerNorm: σ = sqrt(Var(x) + eps); RMSNorm: σ = sqrt(mean(x²) + eps). Other norms: None.
+    """
+    weight = getattr(module, "weight", None)
+    if weight is None or not isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        return None
+    x = x.detach().float()
+    if isinstance(module, nn.LayerNorm):
+        sigma = torch.sqrt(x.var(dim=-1, unbiased=False) + module.eps)
+    else:
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        sigma = torch.sqrt(x.pow(2).mean(dim=-1) + eps)
+    return weight.detach().float().mean() * sigma.reciprocal().mean()
+
+
+def _first_tensor(value):
+    """(tensor, rebuild) for a hook value: a tensor, or a tuple/list whose first item is one."""
+    if isinstance(value, torch.Tensor):
+        return value, lambda t: t
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0], lambda t: type(value)([t, *value[1:]])
+    return None, None
+
+
+class StepHooks:
+    """Installs and runs the hooks of one recorded step.
+
+    Args:
+        model: the recorded model.
+        layout: its sites and norms.
+        buffer: where values go.
+        wants: the quantity names to compute this step.
+        cosine_tokens: tokens sampled per stack for the cosine matrix.
+        generator: CPU generator for token sampling (never the global RNG).
+        token_masks: callable giving stack name → (B, T) bool mask for one forward's inputs.
+    """
+
+    def __init__(self, model, layout: Layout, buffer: StepBuffer, wants: set[str], cosine_tokens: int,
+                 generator: torch.Generator, token_masks: Callable) -> None:
+        self.model, self.layout, self.buf, self.wants = model, layout, buffer, wants
+        self.cosine_tokens, self.generator, self.token_masks = cosine_tokens, generator, token_masks
+        self.micro = -1
+        self.fired: set[tuple[int, str]] = set()
+        self.hooked: set[tuple[int, str]] = set()
+        self.handles: list = []
+        self.tensor_handles: list = []
+        self.masks: dict[str, torch.Tensor | None] = {}
+        self.samples: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # stack -> (idx, weights)
+        self.cosine_rows: dict[str, dict[int, torch.Tensor]] = {}
+        self.active = True
+        self._cosine_site = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
+        self._norm_by_site_in = {n.site_in: n for n in layout.norms}
+        self.forward_stats = bool(wants & {"act_norm", "nonfinite"})
+        self.grad_stats = bool(wants & {"act_grad_norm", "ln_gain", "nonfinite"})
+
+    # -- installation ------------------------------------------------------------------
+    def install(self) -> None:
+        """Registers every module hook of this step."""
+        self.handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        for probe in self.layout.probes:
+            if probe.where == "output":
+                self.handles.append(probe.module.register_forward_hook(self._output_hook(probe)))
+            else:
+                self.handles.append(probe.module.register_forward_pre_hook(self._input_hook(probe), with_kwargs=True))
+        if "ln_w_over_sigma" in self.wants:
+            for norm in self.layout.norms:
+                self.handles.append(norm.module.register_forward_pre_hook(self._w_sigma_hook(norm)))
+
+    def remove(self) -> None:
+        """Removes every module and tensor hook; later firings of stale hooks are ignored."""
+        self.active = False
+        for h in self.handles + self.tensor_handles:
+            h.remove()
+        self.handles.clear()
+        self.tensor_handles.clear()
+
+    # -- hooks ---------------------------------------------------------------------------
+    def _root_pre(self, module, args, kwargs):
+        if not self.active:
+            return None
+        self.micro += 1
+        if "cosine" in self.wants and self.micro == 0:
+            self.masks = self.token_masks(args, kwargs)
+        return None
+
+    def _observe(self, probe: Probe, value: torch.Tensor) -> torch.Tensor | None:
+        """Forward statistics and the gradient hook for one site value; returns the view to pass on."""
+        key = (self.micro, probe.name)
+        if key not in self.fired:
+            self.fired.add(key)
+            if self.forward_stats:
+                self.buf.add((self.micro, probe.stack, probe.layer, probe.name, "act_norm", None), _norm(value))
+            if probe.name in self._cosine_site and self.micro == 0 and "cosine" in self.wants:
+                self._capture_cosine(probe.name, value)
+        if not (self.grad_stats and value.requires_grad) or key in self.hooked:
+            return None
+        self.hooked.add(key)
+        view = value.view_as(value)
+        micro = self.micro
+        grad_key = (micro, probe.stack, probe.layer, probe.name, "act_grad_norm", None)
+
+        def on_grad(grad: torch.Tensor) -> None:
+            if self.active:
+                self.buf.add(grad_key, _norm(grad))
+
+        self.tensor_handles.append(view.register_hook(on_grad))
+        return view
+
+    def _output_hook(self, probe: Probe):
+        def hook(module, args, output):
+            if not self.active:
+                return None
+            tensor, rebuild = _first_tensor(output)
+            if tensor is None:
+                return None
+            view = self._observe(probe, tensor)
+            return None if view is None else rebuild(view)
+
+        return hook
+
+    def _input_hook(self, probe: Probe):
+        def hook(module, args, kwargs):
+            if not self.active:
+                return None
+            if args and isinstance(args[0], torch.Tensor):
+                view = self._observe(probe, args[0])
+                return None if view is None else ((view, *args[1:]), kwargs)
+            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+                view = self._observe(probe, kwargs["hidden_states"])
+                return None if view is None else (args, {**kwargs, "hidden_states": view})
+            return None
+
+        return hook
+
+    def _w_sigma_hook(self, norm: NormProbe):
+        def hook(module, args):
+            if not self.active or not args or not isinstance(args[0], torch.Tensor):
+                return None
+            key = (self.micro, f"wsig:{norm.name}")
+            if key in self.fired:
+                return None
+            self.fired.add(key)
+            value = w_over_sigma(module, args[0])
+            if value is not None:
+                self.buf.add((self.micro, norm.stack, norm.layer, norm.name, "ln_w_over_sigma", None), value)
+            return None
+
+        return hook
+
+    # -- cosine --------------------------------------------------------------------------
+    def _capture_cosine(self, site: str, value: torch.Tensor) -> None:
+        stack, i = self._cosine_site[site]
+        flat = value.detach().reshape(-1, value.shape[-1])  # (B*T, d)
+        if stack not in self.samples:
+            n = flat.shape[0]
+            idx = torch.randperm(n, generator=self.generator)[: self.cosine_tokens].to(flat.device)
+            mask = self.masks.get(stack)
+            if mask is not None and mask.numel() == n:
+                weights = mask.reshape(-1).to(flat.device)[idx].float()
+            else:
+                weights = torch.ones(idx.shape[0], device=flat.device)
+            self.samples[stack] = (idx, weights)
+        idx, _ = self.samples[stack]
+        self.cosine_rows.setdefault(stack, {})[i] = flat[idx].float()  # (K, d)
+
+    def cosine_matrices(self) -> dict[str, torch.Tensor]:
+        """Stack → S[i, j] = weighted mean over sampled non-pad tokens of cos(y_i[t], y_j[t]) (Takase Fig. 5)."""
+        out = {}
+        for stack, rows in self.cosine_rows.items():
+            n = len(next(s for s in self.layout.stacks if s.name == stack).sites)
+            if sorted(rows) != list(range(n)):
+                continue
+            Y = F.normalize(torch.stack([rows[i] for i in range(n)]), dim=-1)  # (L+1, K, d)
+            w = self.samples[stack][1]
+            out[stack] = torch.einsum("ikd,jkd,k->ij", Y, Y, w) / w.sum().clamp_min(1.0)
+        return out
+
+
+def scalenorm_gains(layout: Layout) -> list[tuple[NormProbe, torch.Tensor]]:
+    """(norm, g) for every ScaleNorm."""
+    return [(n, n.module.g.detach()) for n in layout.norms if isinstance(n.module, ScaleNorm)]

@@ -1,0 +1,96 @@
+"""Host-side rows of one recorded step: unscaling, accumulation, ln_gain, nonfinite.
+
+Runs once per recorded step on the numbers that just reached the host; no device work.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from gradscope.recorder.layout import Layout
+
+GRADIENT_QUANTITIES = ("act_grad_norm",)
+
+
+def finish_rows(keys: list, values: np.ndarray, layout: Layout, wants: set[str], *, micro_steps: int,
+                params_unscaled: bool) -> tuple[list, np.ndarray]:
+    """Turns the raw keys/values of a step into table rows.
+
+    - Divides gradient norms by the GradScaler scale (row ``__scale__``), parameter norms
+      only if the user had not unscaled them already.
+    - Per-micro-step ``act_grad_norm`` / ``act_norm`` rows keep their micro index; the
+      accumulated value (micro_step -1) is sqrt(Σ_m v_m²), the norm over the whole
+      accumulated batch. With one micro-step only the -1 rows are kept.
+    - ``ln_gain`` = ‖grad at norm input‖ / ‖grad at norm output‖ (Takase §3), per micro-step
+      and accumulated.
+    - ``nonfinite`` / ``nonfinite_grad``: sites whose forward value / gradient held a NaN or
+      Inf, in the order they appeared; value 0 is the first.
+    - Other per-micro-step statistics (``ln_w_over_sigma``) are averaged over micro-steps
+      for the -1 row.
+    - ``dlcl_weight`` of a DLCL stack keeps the lower triangle only.
+    """
+    values = np.asarray(values, dtype=np.float64).copy()
+    scale = next((values[i] for i, k in enumerate(keys) if k[4] == "__scale__"), None)
+    if scale is not None:
+        for i, k in enumerate(keys):
+            if k[4] == "act_grad_norm" or (k[4] == "param_grad_norm" and not params_unscaled):
+                values[i] /= scale
+    rows: list[tuple] = []
+    out: list[float] = []
+    per_site: dict[tuple, list[float]] = {}  # (quantity, site) -> per-micro values
+    per_micro_mean: dict[tuple, list[float]] = {}  # forward statistics averaged over micro-steps
+    position: dict[str, tuple] = {}
+    n_fwd = n_bwd = 0
+    for k, v in zip(keys, values):
+        micro, stack, layer, site, quantity, layer_j = k
+        if quantity == "__scale__":
+            continue
+        if quantity in ("act_norm", "act_grad_norm"):
+            if "nonfinite" in wants and not math.isfinite(v):
+                name = "nonfinite" if quantity == "act_norm" else "nonfinite_grad"
+                order = n_fwd if quantity == "act_norm" else n_bwd
+                rows.append((micro if micro_steps > 1 else -1, stack, layer, site, name, None))
+                out.append(float(order))
+                n_fwd, n_bwd = (n_fwd + 1, n_bwd) if quantity == "act_norm" else (n_fwd, n_bwd + 1)
+            per_site.setdefault((quantity, site), []).append(v)
+            position[site] = (stack, layer)
+            if micro_steps > 1 and quantity in wants:
+                rows.append(k)
+                out.append(v)
+            continue
+        if quantity == "dlcl_weight" and site.endswith("combine") and layer_j > layer:
+            continue
+        if micro >= 0:  # a per-micro-step forward statistic (ln_w_over_sigma)
+            per_micro_mean.setdefault((quantity, site), []).append(v)
+            position[site] = (stack, layer)
+            if micro_steps == 1:
+                continue
+        rows.append(k)
+        out.append(v)
+    for (quantity, site), vs in per_micro_mean.items():
+        rows.append((-1, *position[site], site, quantity, None))
+        out.append(sum(vs) / len(vs))
+    accumulated = {key: math.sqrt(sum(x * x for x in vs)) for key, vs in per_site.items()}
+    for (quantity, site), value in accumulated.items():
+        if quantity in wants:
+            rows.append((-1, *position[site], site, quantity, None))
+            out.append(value)
+    if "ln_gain" in wants:
+        micro_values = {key: vs for key, vs in per_site.items() if key[0] == "act_grad_norm"}
+        for norm in layout.norms:
+            g_in, g_out = micro_values.get(("act_grad_norm", norm.site_in)), micro_values.get(("act_grad_norm", norm.site_out))
+            if not g_in or not g_out or len(g_in) != len(g_out):
+                continue
+            if micro_steps > 1:
+                for m, (a, b) in enumerate(zip(g_in, g_out)):
+                    rows.append((m, norm.stack, norm.layer, norm.name, "ln_gain", None))
+                    out.append(_ratio(a, b))
+            rows.append((-1, norm.stack, norm.layer, norm.name, "ln_gain", None))
+            out.append(_ratio(accumulated[("act_grad_norm", norm.site_in)], accumulated[("act_grad_norm", norm.site_out)]))
+    return rows, np.asarray(out, dtype=np.float64)
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b != 0 else (math.nan if a == 0 else math.inf)

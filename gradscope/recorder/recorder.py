@@ -1,0 +1,323 @@
+"""``Recorder``: records SPEC §3 quantities of a model for chosen training steps.
+
+Usage::
+
+    rec = gradscope.Recorder(model, optimizer=opt)
+    for step, batch in enumerate(loader):
+        with rec.step(step):              # covers forward and backward
+            loss = loss_fn(model(*batch)); loss.backward()
+            rec.log("loss", loss)
+        opt.step(); opt.zero_grad()
+    df = rec.frame()
+
+Hooks exist only inside a recorded ``step`` context and are removed on exit, exceptions
+included. Values stay on the device as 0-d tensors and reach the host once per recorded
+step. The recorder never draws from the global RNG and never writes to parameters or
+gradients, so training with and without it is bit-identical.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+from gradscope.models.transformer import ZooModel
+from gradscope.recorder.hooks import StepHooks, scalenorm_gains
+from gradscope.recorder.layout import find_layout
+from gradscope.recorder.params import ParamGroups
+from gradscope.recorder.postprocess import finish_rows
+from gradscope.recorder.store import RowStore, StepBuffer
+from gradscope.table import QUANTITIES
+
+DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
+ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio")
+SLOW_QUANTITIES = frozenset({"cosine", "update_ratio"})  # taken every ``slow_every`` recorded steps
+
+
+def resolve_quantities(quantities: str | tuple | list) -> tuple[str, ...]:
+    """``"default"``, ``"all"``, or a list of names from ``gradscope.table.QUANTITIES``."""
+    if isinstance(quantities, str):
+        presets = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES}
+        if quantities not in presets:
+            raise ValueError(f"quantities: unknown preset {quantities!r}; valid: ['all', 'default'] or a list of {list(QUANTITIES)}")
+        return presets[quantities]
+    unknown = [q for q in quantities if q not in QUANTITIES]
+    if unknown:
+        raise ValueError(f"quantities: unknown {unknown}; valid: {sorted(QUANTITIES)}")
+    return tuple(quantities)
+
+
+class Recorder:
+    """Records gradient norms and LayerNorm statistics of ``model``.
+
+    Args:
+        model: a zoo model or any ``nn.Module`` (see ``gradscope.recorder.layout``).
+        quantities: ``"default"`` (norms, ln_gain, loss, lr, nonfinite), ``"all"``, or a
+            list of quantity names.
+        every: record steps whose index is a multiple of ``every`` (default 1).
+        slow_every: cosine and update_ratio are taken on recorded steps that are
+            multiples of this (default 10).
+        sites: shell-style patterns selecting sites (default: all).
+        run: value of the ``run`` column.
+        variant: value of the ``variant`` column (default: the zoo config's variant, or
+            the model's class name).
+        optimizer: when given, ``lr`` is read from it and ``update_ratio`` (‖Δθ‖/‖θ‖ per
+            group) is measured around its ``step``.
+        scaler: a ``torch.amp.GradScaler``; gradient norms are divided by its scale so the
+            table holds unscaled values.
+        cosine_tokens: tokens sampled (without replacement) per stack for ``cosine``.
+        reduction: how the loss is reduced over tokens, written to every row.
+        seed: seed of the recorder's private token-sampling generator.
+        rank: value of the ``rank`` column (default: the torch.distributed rank, else 0).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        quantities: str | tuple | list = "default",
+        every: int = 1,
+        slow_every: int = 10,
+        sites: list[str] | None = None,
+        run: str = "run",
+        variant: str | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        scaler=None,
+        cosine_tokens: int = 256,
+        reduction: str = "mean",
+        seed: int = 0,
+        rank: int | None = None,
+    ) -> None:
+        for name, value in (("every", every), ("slow_every", slow_every), ("cosine_tokens", cosine_tokens)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction: must be 'mean' or 'sum', got {reduction!r}")
+        self.model = model
+        self.quantities = resolve_quantities(quantities)
+        self.every, self.slow_every = every, slow_every
+        self.layout = find_layout(model, sites)
+        self.groups = ParamGroups(model, self.layout)
+        self.run = run
+        config = getattr(model, "config", None)
+        self.variant = variant or getattr(config, "variant", None) or type(model).__name__
+        self.optimizer, self.scaler = optimizer, scaler
+        self.cosine_tokens, self.reduction = cosine_tokens, reduction
+        self.rank = rank if rank is not None else _dist_rank()
+        self._generator = torch.Generator().manual_seed(seed)
+        self._store = RowStore()
+        self._hooks: StepHooks | None = None
+        self._buffer: StepBuffer | None = None
+        self._step: int | None = None
+        self._last_recorded: int | None = None
+        self._pending_update: int | None = None
+        self._before_update: list[torch.Tensor] | None = None
+        self._opt_handles = []
+        self._closed = False
+        if optimizer is not None and "update_ratio" in self.quantities:
+            self._opt_handles = [
+                optimizer.register_step_pre_hook(self._before_optimizer_step),
+                optimizer.register_step_post_hook(self._after_optimizer_step),
+            ]
+
+    # -- the step context ----------------------------------------------------------------
+    def records(self, step: int) -> bool:
+        """Whether ``step`` is recorded."""
+        return step % self.every == 0
+
+    @contextlib.contextmanager
+    def step(self, step: int) -> Iterator["Recorder"]:
+        """Records one training step: enter before the forward, leave after ``backward()``."""
+        if self._closed:
+            raise RuntimeError("Recorder.step: the recorder is closed")
+        if self._step is not None:
+            raise RuntimeError(f"Recorder.step({step}): step {self._step} is still open (steps do not nest)")
+        if not self.records(step):
+            yield self
+            return
+        wants = set(self.quantities)
+        if step % (self.every * self.slow_every):
+            wants -= SLOW_QUANTITIES
+        self._step, self._buffer = step, StepBuffer()
+        self._hooks = StepHooks(self.model, self.layout, self._buffer, wants, self.cosine_tokens, self._generator, self._token_masks)
+        self._hooks.install()
+        try:
+            yield self
+        except BaseException:
+            self._hooks.remove()
+            self._step = self._hooks = self._buffer = None
+            raise
+        self._hooks.remove()
+        try:
+            self._finish(step, wants)
+        finally:
+            self._step = self._hooks = self._buffer = None
+
+    def log(self, quantity: str, value: float | torch.Tensor, *, step: int | None = None) -> None:
+        """Logs a scalar (``loss``, ``val_loss``, ...) for the open step, or for ``step``.
+
+        Tensors stay on the device until the step's single host transfer. Outside an open
+        step, ``step`` must be given and the value is stored at once.
+        """
+        value = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
+        key = (-1, "", None, "", quantity, None)
+        if self._buffer is not None and step in (None, self._step):
+            self._buffer.add(key, value)
+            return
+        if step is None:
+            if self._step is None and self._last_recorded is None:
+                raise ValueError("Recorder.log: no open step; pass step=")
+            return  # a step that is not recorded: nothing to log
+        self._store.append(step, [key], np.array([value.item()]))
+
+    # -- end of step ---------------------------------------------------------------------
+    def _finish(self, step: int, wants: set[str]) -> None:
+        buf, hooks = self._buffer, self._hooks
+        scale = self._grad_scale()
+        if scale is not None:
+            buf.add((-1, "", None, "", "__scale__", None), scale)
+        if "param_grad_norm" in wants:
+            norms = self.groups.group_norms(self.groups.grads())
+            if norms is not None:
+                buf.add_many([(-1, s, l, g, "param_grad_norm", None) for g, (s, l) in zip(self.groups.groups, self.groups.positions)], norms)
+        if "cosine" in wants:
+            for stack, matrix in hooks.cosine_matrices().items():
+                buf.add_matrix(-1, stack, f"{stack}.layers", "cosine", matrix)
+        if "dlcl_weight" in wants:
+            for name, mixer in self.layout.mixers.items():
+                buf.add_matrix(-1, name.split(".")[0] if name.startswith(("encoder", "decoder")) else "", name, "dlcl_weight", mixer.mixing_weights())
+        if "scalenorm_g" in wants:
+            for norm, g in scalenorm_gains(self.layout):
+                buf.add((-1, norm.stack, norm.layer, norm.name, "scalenorm_g", None), g)
+        if "lr" in wants and self.optimizer is not None:
+            buf.add((-1, "", None, "", "lr", None), torch.tensor(float(self.optimizer.param_groups[0]["lr"])))
+        keys, values = buf.to_host()  # the one host transfer of this step
+        keys, values = finish_rows(keys, values, self.layout, wants, micro_steps=hooks.micro + 1, params_unscaled=self._params_unscaled())
+        self._store.append(step, keys, values)
+        self._last_recorded = step
+        if "update_ratio" in wants and self.optimizer is not None:
+            self._pending_update = step
+
+    def _grad_scale(self) -> torch.Tensor | None:
+        if self.scaler is None or not self.scaler.is_enabled():
+            return None
+        return self.scaler._get_scale_async().detach().float().reshape(())
+
+    def _params_unscaled(self) -> bool:
+        """Whether the user already called ``scaler.unscale_(optimizer)`` this step."""
+        if self.scaler is None or not self.scaler.is_enabled():
+            return True
+        from torch.amp.grad_scaler import OptState
+
+        return any(s.get("stage") is OptState.UNSCALED for s in self.scaler._per_optimizer_states.values())
+
+    # -- update ratio around optimizer.step ------------------------------------------------
+    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._pending_update is not None:
+            self._before_update = [p.detach().clone() for p in self.groups.params]
+
+    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
+        if self._pending_update is None or self._before_update is None:
+            return
+        now = [p.detach() for p in self.groups.params]
+        delta = self.groups.group_norms(torch._foreach_sub(now, self._before_update))
+        base = self.groups.group_norms(self._before_update)
+        ratio = (delta / base.clamp_min(torch.finfo(base.dtype).tiny)).cpu().double().numpy()
+        keys = [(-1, s, l, g, "update_ratio", None) for g, (s, l) in zip(self.groups.groups, self.groups.positions)]
+        self._store.append(self._pending_update, keys, ratio)
+        self._pending_update, self._before_update = None, None
+
+    # -- masks for cosine ----------------------------------------------------------------
+    def _token_masks(self, args, kwargs) -> dict[str, torch.Tensor]:
+        if isinstance(self.model, ZooModel):
+            return {s: t != self.model.pad_id for s, t in self.model.stack_tokens(*args).items()}
+        mask = kwargs.get("attention_mask")
+        return {s.name: mask.bool() for s in self.layout.stacks} if isinstance(mask, torch.Tensor) else {}
+
+    # -- output ----------------------------------------------------------------------------
+    def frame(self) -> pd.DataFrame:
+        """Everything recorded so far as the tidy table of SPEC §3."""
+        return self._store.frame(run=self.run, variant=self.variant, rank=self.rank, reduction=self.reduction)
+
+    def save(self, path) -> None:
+        """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``)."""
+        from gradscope.io import save_frame
+
+        save_frame(self.frame(), path)
+
+    def close(self) -> None:
+        """Removes every hook (module, tensor and optimizer); the recorded table stays readable."""
+        if self._hooks is not None:
+            self._hooks.remove()
+        for h in self._opt_handles:
+            h.remove()
+        self._opt_handles = []
+        self._closed = True
+
+    def __enter__(self) -> "Recorder":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    @property
+    def site_names(self) -> list[str]:
+        """The sites this recorder probes."""
+        return self.layout.site_names()
+
+
+def _dist_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
+
+
+@contextlib.contextmanager
+def record(model: nn.Module, *, step: int = 0, **kwargs) -> Iterator[Recorder]:
+    """One recorded step as a context: ``with gradscope.record(model) as rec: loss.backward()``.
+
+    Covers forward and backward; every hook is removed on exit, exceptions included.
+    Keyword arguments go to :class:`Recorder`.
+    """
+    rec = Recorder(model, **kwargs)
+    try:
+        with rec.step(step):
+            yield rec
+    finally:
+        rec.close()
+
+
+def snapshot(model: nn.Module, inputs: tuple, loss_fn, *, quantities="all", **kwargs) -> pd.DataFrame:
+    """All quantities for one forward/backward, e.g. at the start of training.
+
+    Parameter gradients that existed before are restored afterwards, so the call has no
+    effect on a training run.
+
+    Args:
+        model: the model.
+        inputs: the model's positional inputs (``(src, tgt_in)`` or ``(tokens,)``).
+        loss_fn: ``loss_fn(output) -> scalar loss``.
+        quantities: as for :class:`Recorder` (default ``"all"``, cosine included).
+        **kwargs: more :class:`Recorder` arguments.
+
+    Returns:
+        The tidy table of that step (step 0).
+    """
+    saved = {p: p.grad for p in model.parameters()}
+    for p in saved:
+        p.grad = None
+    try:
+        with record(model, quantities=quantities, slow_every=1, **kwargs) as rec:
+            loss = loss_fn(model(*inputs))
+            loss.backward()
+            rec.log("loss", loss)
+        return rec.frame()
+    finally:
+        for p, g in saved.items():
+            p.grad = g

@@ -1,0 +1,114 @@
+"""Per-step device buffers and the host-side row store.
+
+During a recorded step every hook appends a 0-d device tensor and a key; at the end of the
+step all values reach the host in one transfer. Rows are kept as compact arrays (interned
+keys + float64 values), so memory grows by ~20 bytes per row, not by a Python dict per row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import torch
+
+from gradscope.table import COLUMNS, DTYPES, empty_frame
+
+# key = (micro_step, stack, layer, site, quantity, layer_j)
+Key = tuple[int, str, "int | None", str, str, "int | None"]
+
+
+@dataclass
+class StepBuffer:
+    """Device values and their keys for one recorded step."""
+
+    keys: list[Key] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+    matrices: list[tuple[int, str, str, str, torch.Tensor]] = field(default_factory=list)
+
+    def add(self, key: Key, value: torch.Tensor) -> None:
+        """Appends one 0-d tensor (kept on its device)."""
+        self.keys.append(key)
+        self.values.append(value.reshape(1))
+
+    def add_many(self, keys: list[Key], values: torch.Tensor) -> None:
+        """Appends a 1-d tensor of values, one per key."""
+        self.keys.extend(keys)
+        self.values.append(values.reshape(-1))
+
+    def add_matrix(self, micro: int, stack: str, site: str, quantity: str, matrix: torch.Tensor) -> None:
+        """Appends a matrix quantity; row i, column j become (layer=i, layer_j=j)."""
+        self.matrices.append((micro, stack, site, quantity, matrix.detach()))
+
+    def to_host(self) -> tuple[list[Key], np.ndarray]:
+        """Moves everything to the host in one transfer; returns (keys, float64 values)."""
+        parts = [torch.cat([v.detach().float() for v in self.values])] if self.values else []
+        keys = list(self.keys)
+        for micro, stack, site, quantity, m in self.matrices:
+            rows, cols = m.shape
+            parts.append(m.float().reshape(-1))
+            keys += [(micro, stack, i, site, quantity, j) for i in range(rows) for j in range(cols)]
+        if not parts:
+            return [], np.zeros(0)
+        device_values = torch.cat([p.to(parts[0].device) for p in parts])
+        return keys, device_values.cpu().double().numpy()
+
+
+class RowStore:
+    """Host-side rows of the tidy table, stored as interned keys and value arrays."""
+
+    def __init__(self) -> None:
+        self._key_index: dict[Key, int] = {}
+        self._keys: list[Key] = []
+        self._chunks: list[tuple[int, np.ndarray, np.ndarray]] = []  # (step, key ids, values)
+
+    def append(self, step: int, keys: list[Key], values: np.ndarray) -> None:
+        """Adds one step's rows."""
+        if not keys:
+            return
+        ids = np.fromiter((self._intern(k) for k in keys), dtype=np.int32, count=len(keys))
+        self._chunks.append((step, ids, np.asarray(values, dtype=np.float64)))
+
+    def _intern(self, key: Key) -> int:
+        idx = self._key_index.get(key)
+        if idx is None:
+            idx = self._key_index[key] = len(self._keys)
+            self._keys.append(key)
+        return idx
+
+    def __len__(self) -> int:
+        return sum(len(ids) for _, ids, _ in self._chunks)
+
+    def steps(self) -> list[int]:
+        """Steps present, in recording order."""
+        return [s for s, _, _ in self._chunks]
+
+    def drop_steps_from(self, step: int) -> None:
+        """Forgets rows of steps >= ``step`` (used when resuming from a checkpoint)."""
+        self._chunks = [c for c in self._chunks if c[0] < step]
+
+    def frame(self, *, run: str, variant: str, rank: int, reduction: str) -> pd.DataFrame:
+        """The canonical tidy table of everything stored."""
+        if not self._chunks:
+            return empty_frame()
+        steps = np.concatenate([np.full(len(ids), s, dtype=np.int64) for s, ids, _ in self._chunks])
+        ids = np.concatenate([ids for _, ids, _ in self._chunks])
+        values = np.concatenate([v for _, _, v in self._chunks])
+        keys = pd.DataFrame(self._keys, columns=["micro_step", "stack", "layer", "site", "quantity", "layer_j"])
+        rows = keys.iloc[ids].reset_index(drop=True)
+        data = {
+            "run": run,
+            "variant": variant,
+            "step": steps,
+            "micro_step": rows["micro_step"].to_numpy(np.int64),
+            "rank": rank,
+            "stack": rows["stack"].to_numpy(),
+            "layer": pd.array(rows["layer"].tolist(), dtype="Int64"),
+            "site": rows["site"].to_numpy(),
+            "quantity": rows["quantity"].to_numpy(),
+            "value": values,
+            "layer_j": pd.array(rows["layer_j"].tolist(), dtype="Int64"),
+            "reduction": reduction,
+        }
+        return pd.DataFrame(data, columns=list(COLUMNS)).astype(DTYPES)

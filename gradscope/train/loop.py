@@ -1,0 +1,216 @@
+"""The training loop: arch-agnostic, resumable, recorder-aware.
+
+One step::
+
+    batch = task.batch("train", step, B)
+    with recorder.step(step):                    # only when a recorder is given
+        logits = model(*task.model_inputs(batch))
+        loss = label_smoothed_loss(logits, task.targets(batch))
+        loss.backward()
+    value = loss.item()                          # the step's only host sync
+    recorder.log(step, "loss", value); recorder.log(step, "lr", lr)   # if it has log()
+    clip; optimizer.step(); scheduler.step()     # skipped when the loss is non-finite
+    validation every ``eval_every`` steps; checkpoint every ``checkpoint_every`` steps
+
+Recorder protocol (duck-typed): ``recorder.step(step)`` returns a context manager that
+covers forward and backward and closes before ``optimizer.step()``; an optional
+``recorder.log(step, quantity, value)`` receives ``"loss"`` and ``"lr"`` every step.
+Validation forwards run outside any ``recorder.step`` context.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from gradscope.table import make_frame
+from gradscope.train.checkpoint import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
+from gradscope.train.config import TRAJECTORY_FIELDS, TrainConfig, resolve_device
+from gradscope.train.optim import LOSS_LOG_BASE, LOSS_REDUCTION, label_smoothed_loss, make_optimizer, make_scheduler
+from gradscope.train.tasks import Task
+
+
+@dataclass(frozen=True, eq=False)
+class TrainResult:
+    """What ``train`` returns.
+
+    Attributes:
+        step: the last step whose loss was computed (``config.steps`` unless the run
+            diverged and stopped early, or a checkpoint was already past it).
+        history: tidy table (``gradscope.table`` columns) with quantities ``loss`` and
+            ``lr`` every step and ``val_loss`` every ``eval_every`` steps.
+        diverged: a training loss was NaN or Inf.
+        resumed_from: the checkpoint step the run started from, or None.
+        loss_reduction: ``"mean"`` over non-pad target tokens.
+        loss_log_base: ``"e"``: losses are in nats.
+    """
+
+    step: int
+    history: pd.DataFrame
+    diverged: bool = False
+    resumed_from: int | None = None
+    loss_reduction: str = LOSS_REDUCTION
+    loss_log_base: str = LOSS_LOG_BASE
+
+    def curve(self, quantity: str = "loss") -> pd.Series:
+        """``value`` of one quantity indexed by step."""
+        rows = self.history[self.history["quantity"] == quantity]
+        return pd.Series(rows["value"].to_numpy(), index=rows["step"].to_numpy(), name=quantity)
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, task: Task, *, batch_size: int, n_batches: int, smoothing: float = 0.1,
+             split: str = "valid", device: torch.device | str = "cpu") -> float:
+    """Token-weighted label-smoothed loss (nats) over batches ``0..n_batches-1`` of ``split``.
+
+    The model is put in eval mode and restored to its previous mode afterwards.
+    """
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    tokens = 0
+    try:
+        for i in range(n_batches):
+            cpu_batch = task.batch(split, i, batch_size)
+            n = int((task.targets(cpu_batch) != task.pad_id).sum())  # counted on the CPU: no device sync
+            batch = tuple(t.to(device) for t in cpu_batch)
+            loss = label_smoothed_loss(model(*task.model_inputs(batch)), task.targets(batch), pad_id=task.pad_id,
+                                       smoothing=smoothing)
+            total += loss.double() * n
+            tokens += n
+    finally:
+        model.train(was_training)
+    return total.item() / tokens
+
+
+def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = None,
+          checkpoint_dir: str | Path | None = None, resume: bool = True, progress: bool = True,
+          run: str = "run", variant: str = "") -> TrainResult:
+    """Trains ``model`` on ``task`` with Adam, the inverse-sqrt schedule and label smoothing.
+
+    Args:
+        model: called as ``model(*task.model_inputs(batch))`` and returning logits
+            (B, T, vocab); moved to the config's device in place.
+        task: a built-in task (``make_task``) or ``load_parallel_text`` result.
+        config: the ``TrainConfig``.
+        recorder: optional object with ``step(step)`` (a context manager wrapped around
+            forward + backward) and optionally ``log(step, quantity, value)``.
+        checkpoint_dir: where ``last.pt`` is written; None disables checkpoints.
+        resume: when ``checkpoint_dir`` holds a checkpoint, continue from it. The result
+            then equals an uninterrupted run bit for bit (same parameters and history);
+            a checkpoint already at or past ``config.steps`` is returned as it is. With
+            ``resume=False`` the run starts afresh and overwrites the checkpoint.
+        progress: show a tqdm bar with loss and lr (hidden when stderr is not a tty).
+        run: ``run`` column of the history.
+        variant: ``variant`` column of the history.
+
+    Returns:
+        A ``TrainResult``.
+
+    Raises:
+        ValueError: the checkpoint was written under a config whose trajectory fields
+            (``TRAJECTORY_FIELDS``) differ, or the logits' last dimension is not ``task.vocab``.
+    """
+    device = resolve_device(config.device)
+    model.to(device)
+    optimizer = make_optimizer(model, config)
+    scheduler = make_scheduler(optimizer, config)
+    rows: list[dict[str, Any]] = []
+    start, resumed_from = 0, None
+    state = load_checkpoint(checkpoint_dir) if checkpoint_dir is not None and resume else None
+    if state is not None:
+        _check_resumable(state["config"], config, checkpoint_dir)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        set_rng_state(state["rng"])
+        rows = list(state["history"])
+        start = resumed_from = int(state["step"])
+    else:
+        seed_everything(config.seed)
+
+    step, diverged = start, False
+    log = getattr(recorder, "log", None)
+    model.train()
+    bar = tqdm(total=config.steps, initial=start, desc=run, disable=None if progress else True, dynamic_ncols=True)
+    try:
+        for step in range(start + 1, config.steps + 1):
+            batch = tuple(t.to(device, non_blocking=True) for t in task.batch("train", step, config.batch_size))
+            lr = optimizer.param_groups[0]["lr"]
+            optimizer.zero_grad(set_to_none=True)
+            with recorder.step(step) if recorder is not None else contextlib.nullcontext():
+                logits = model(*task.model_inputs(batch))  # (B, T, vocab)
+                if logits.shape[-1] != task.vocab:
+                    raise ValueError(f"model returned {logits.shape[-1]} logits per token; task.vocab={task.vocab}")
+                loss = label_smoothed_loss(logits, task.targets(batch), pad_id=task.pad_id,
+                                           smoothing=config.label_smoothing)
+                loss.backward()
+            value = loss.item()
+            rows.append(_row(run, variant, step, "loss", value, LOSS_REDUCTION))
+            rows.append(_row(run, variant, step, "lr", lr, ""))
+            if log is not None:
+                log(step, "loss", value)
+                log(step, "lr", lr)
+            bar.update(1)
+            bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.3g}", refresh=False)
+            if not math.isfinite(value):
+                diverged = True
+                if config.stop_on_nonfinite:
+                    break
+            if config.clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), config.clip_norm)
+            optimizer.step()
+            scheduler.step()
+            if config.eval_every and step % config.eval_every == 0:
+                val = evaluate(model, task, batch_size=config.batch_size, n_batches=config.eval_batches,
+                               smoothing=config.label_smoothing, device=device)
+                rows.append(_row(run, variant, step, "val_loss", val, LOSS_REDUCTION))
+            every = config.checkpoint_every
+            if checkpoint_dir is not None and (step == config.steps or (every and step % every == 0)):
+                save_checkpoint(checkpoint_dir, {
+                    "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "rng": get_rng_state(), "history": rows,
+                    "config": dataclasses.asdict(config), "task": repr(task),
+                })
+    finally:
+        bar.close()
+
+    history = make_frame(rows)
+    history.attrs.update(loss_reduction=LOSS_REDUCTION, loss_log_base=LOSS_LOG_BASE)
+    return TrainResult(step=step, history=history, diverged=diverged, resumed_from=resumed_from)
+
+
+def seed_everything(seed: int) -> None:
+    """Seeds torch (CPU and CUDA), Python ``random`` and NumPy's global generator."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+
+
+def _row(run: str, variant: str, step: int, quantity: str, value: float, reduction: str) -> dict[str, Any]:
+    return {"run": run, "variant": variant, "step": step, "quantity": quantity, "value": float(value),
+            "reduction": reduction}
+
+
+def _check_resumable(saved: dict[str, Any], config: TrainConfig, checkpoint_dir: str | Path) -> None:
+    now = dataclasses.asdict(config)
+    diff = {k: (saved.get(k), now[k]) for k in TRAJECTORY_FIELDS if _norm(saved.get(k)) != _norm(now[k])}
+    if diff:
+        detail = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
+        raise ValueError(f"cannot resume from {str(checkpoint_dir)!r}: {detail}; pass resume=False or another "
+                         f"checkpoint_dir")
+
+
+def _norm(value: Any) -> Any:
+    return tuple(value) if isinstance(value, list) else value
