@@ -1,6 +1,9 @@
-"""Slow references for the recorder tests, written independently of gradscope.recorder:
-the gradient at a site is ``torch.autograd.grad`` of the loss w.r.t. a retained view of the
-value that the site's module passes on (output), or receives (input)."""
+"""Slow references for the recorder tests, written independently of gradscope.recorder.
+
+The gradient at a site is ``torch.autograd.grad`` of the loss w.r.t. the retained tensor
+that the site's module passes on (output) or receives (input): ∂loss/∂h, all uses of h
+summed. ``isolate=True`` instead inserts a view in front of the module and differentiates
+w.r.t. that view: the gradient flowing through the module alone (used for ln_gain)."""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ def _first(value):
     return None
 
 
-def site_gradients(model, modules: dict[str, tuple[torch.nn.Module, str]], run) -> tuple[dict, dict]:
+def site_gradients(model, modules: dict[str, tuple[torch.nn.Module, str]], run, isolate: bool = False) -> tuple[dict, dict]:
     """Runs ``run()`` (returns the loss) with views retained at each site.
 
     Args:
@@ -40,21 +43,20 @@ def site_gradients(model, modules: dict[str, tuple[torch.nn.Module, str]], run) 
                 t = _first(out)
                 if t is None or name in captured:
                     return None
-                view = t.view_as(t)
-                captured[name] = view
-                return _swap_first(out, view)
+                captured[name] = t
+                return None
             handles.append(module.register_forward_hook(hook))
         else:
             def pre(mod, args, kwargs, name=name):
                 if name in captured:
                     return None
                 if args and isinstance(args[0], torch.Tensor):
-                    view = args[0].view_as(args[0])
+                    view = args[0].view_as(args[0]) if isolate else args[0]
                     captured[name] = view
-                    return (view, *args[1:]), kwargs
-                view = kwargs["hidden_states"].view_as(kwargs["hidden_states"])
+                    return ((view, *args[1:]), kwargs) if isolate else None
+                view = kwargs["hidden_states"].view_as(kwargs["hidden_states"]) if isolate else kwargs["hidden_states"]
                 captured[name] = view
-                return args, {**kwargs, "hidden_states": view}
+                return (args, {**kwargs, "hidden_states": view}) if isolate else None
             handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
     try:
         loss = run()
@@ -81,3 +83,10 @@ def all_hook_dicts_empty(model: torch.nn.Module) -> list[str]:
             if getattr(m, attr, None):
                 bad.append(f"{name or '<root>'}.{attr}")
     return bad
+
+
+def norm_gains(model, norms: dict[str, torch.nn.Module], run) -> dict[str, float]:
+    """name -> ‖grad through the norm alone at its input‖ / ‖∂loss/∂(norm output)‖."""
+    g_in, _ = site_gradients(model, {n: (m, "input") for n, m in norms.items()}, run, isolate=True)
+    g_out, _ = site_gradients(model, {n: (m, "output") for n, m in norms.items()}, run)
+    return {n: g_in[n] / g_out[n] for n in norms}

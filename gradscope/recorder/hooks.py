@@ -1,14 +1,20 @@
 """The hook functions of one recorded step.
 
 A :class:`StepHooks` lives for one ``Recorder.step`` context. Forward hooks put 0-d norms
-on the device buffer and register tensor hooks on a view of each site's value, so that the
-gradient seen is the one flowing through that site's position in the graph (for a norm
-input: through the norm only). Nothing calls ``.item()``.
+on the device buffer and register tensor hooks on each site's value, so the recorded
+gradient is ∂loss/∂h for that tensor h (all its uses summed). The recorder never alters the
+graph (no inserted ops, no returned replacements), so training with it is bit-identical.
+
+``ln_gain`` needs the gradient that flows back *through the norm alone*; in Pre-LN the norm
+input is also the residual stream, whose total gradient is larger. When the gradient of a
+norm's output arrives, the hook takes the vector-Jacobian product of the norm at its saved
+input with that gradient (one extra small backward through the norm, no ``.grad`` written).
 
 Activation checkpointing re-runs forward hooks during backward. Forward statistics are
 taken once per (micro-step, site); a gradient hook is registered once, on the first value
 that requires grad (the original forward for non-reentrant checkpointing, the recompute
-for reentrant checkpointing, whose first pass runs under ``no_grad``).
+for reentrant checkpointing, whose first pass runs under ``no_grad``). Nothing calls
+``.item()``.
 """
 
 from __future__ import annotations
@@ -45,13 +51,21 @@ def w_over_sigma(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     return weight.detach().float().mean() * sigma.reciprocal().mean()
 
 
-def _first_tensor(value):
-    """(tensor, rebuild) for a hook value: a tensor, or a tuple/list whose first item is one."""
+def _first_tensor(value) -> torch.Tensor | None:
+    """A hook value's tensor: the value itself, or the first item of a tuple/list."""
     if isinstance(value, torch.Tensor):
-        return value, lambda t: t
+        return value
     if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        return value[0], lambda t: type(value)([t, *value[1:]])
-    return None, None
+        return value[0]
+    return None
+
+
+def _input_tensor(args: tuple, kwargs: dict) -> torch.Tensor | None:
+    """A module's main input: its first positional tensor, or HuggingFace's ``hidden_states``."""
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    value = kwargs.get("hidden_states")
+    return value if isinstance(value, torch.Tensor) else None
 
 
 class StepHooks:
@@ -83,7 +97,7 @@ class StepHooks:
         self._cosine_site = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
         self._norm_by_site_in = {n.site_in: n for n in layout.norms}
         self.forward_stats = bool(wants & {"act_norm", "nonfinite"})
-        self.grad_stats = bool(wants & {"act_grad_norm", "ln_gain", "nonfinite"})
+        self.grad_stats = bool(wants & {"act_grad_norm", "nonfinite"})
 
     # -- installation ------------------------------------------------------------------
     def install(self) -> None:
@@ -97,6 +111,9 @@ class StepHooks:
         if "ln_w_over_sigma" in self.wants:
             for norm in self.layout.norms:
                 self.handles.append(norm.module.register_forward_pre_hook(self._w_sigma_hook(norm)))
+        if "ln_gain" in self.wants:
+            for norm in self.layout.norms:
+                self.handles.append(norm.module.register_forward_hook(self._ln_gain_hook(norm)))
 
     def remove(self) -> None:
         """Removes every module and tensor hook; later firings of stale hooks are ignored."""
@@ -115,8 +132,8 @@ class StepHooks:
             self.masks = self.token_masks(args, kwargs)
         return None
 
-    def _observe(self, probe: Probe, value: torch.Tensor) -> torch.Tensor | None:
-        """Forward statistics and the gradient hook for one site value; returns the view to pass on."""
+    def _observe(self, probe: Probe, value: torch.Tensor) -> None:
+        """Forward statistics and the gradient hook for one site value."""
         key = (self.micro, probe.name)
         if key not in self.fired:
             self.fired.add(key)
@@ -125,42 +142,54 @@ class StepHooks:
             if probe.name in self._cosine_site and self.micro == 0 and "cosine" in self.wants:
                 self._capture_cosine(probe.name, value)
         if not (self.grad_stats and value.requires_grad) or key in self.hooked:
-            return None
+            return
         self.hooked.add(key)
-        view = value.view_as(value)
-        micro = self.micro
-        grad_key = (micro, probe.stack, probe.layer, probe.name, "act_grad_norm", None)
+        grad_key = (self.micro, probe.stack, probe.layer, probe.name, "act_grad_norm", None)
 
         def on_grad(grad: torch.Tensor) -> None:
             if self.active:
                 self.buf.add(grad_key, _norm(grad))
 
-        self.tensor_handles.append(view.register_hook(on_grad))
-        return view
+        self.tensor_handles.append(value.register_hook(on_grad))
 
     def _output_hook(self, probe: Probe):
         def hook(module, args, output):
-            if not self.active:
-                return None
-            tensor, rebuild = _first_tensor(output)
-            if tensor is None:
-                return None
-            view = self._observe(probe, tensor)
-            return None if view is None else rebuild(view)
+            tensor = _first_tensor(output)
+            if self.active and tensor is not None:
+                self._observe(probe, tensor)
 
         return hook
 
     def _input_hook(self, probe: Probe):
         def hook(module, args, kwargs):
-            if not self.active:
-                return None
-            if args and isinstance(args[0], torch.Tensor):
-                view = self._observe(probe, args[0])
-                return None if view is None else ((view, *args[1:]), kwargs)
-            if isinstance(kwargs.get("hidden_states"), torch.Tensor):
-                view = self._observe(probe, kwargs["hidden_states"])
-                return None if view is None else (args, {**kwargs, "hidden_states": view})
-            return None
+            tensor = _input_tensor(args, kwargs)
+            if self.active and tensor is not None:
+                self._observe(probe, tensor)
+
+        return hook
+
+    def _ln_gain_hook(self, norm: NormProbe):
+        """Forward hook on a norm: on its output gradient, backpropagate through the norm alone."""
+
+        def hook(module, args, output):
+            x, y = _input_tensor(args, {}), _first_tensor(output)
+            key = (self.micro, f"gain:{norm.name}")
+            if not self.active or x is None or y is None or not y.requires_grad or key in self.hooked:
+                return
+            self.hooked.add(key)
+            keys = [(self.micro, norm.stack, norm.layer, norm.name, q, None) for q in ("__ln_in__", "__ln_out__")]
+            x = x.detach()
+
+            def on_grad(grad: torch.Tensor) -> None:
+                if not self.active:
+                    return
+                with torch.enable_grad():
+                    xx = x.requires_grad_()
+                    (grad_in,) = torch.autograd.grad(_first_tensor(module.forward(xx)), xx, grad)
+                self.buf.add(keys[0], _norm(grad_in))
+                self.buf.add(keys[1], _norm(grad))
+
+            self.tensor_handles.append(y.register_hook(on_grad))
 
         return hook
 

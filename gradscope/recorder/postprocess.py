@@ -23,8 +23,9 @@ def finish_rows(keys: list, values: np.ndarray, layout: Layout, wants: set[str],
     - Per-micro-step ``act_grad_norm`` / ``act_norm`` rows keep their micro index; the
       accumulated value (micro_step -1) is sqrt(Σ_m v_m²), the norm over the whole
       accumulated batch. With one micro-step only the -1 rows are kept.
-    - ``ln_gain`` = ‖grad at norm input‖ / ‖grad at norm output‖ (Takase §3), per micro-step
-      and accumulated.
+    - ``ln_gain`` = ‖J_LNᵀ g‖ / ‖g‖, g the gradient at the norm output and J_LN the norm's
+      Jacobian: the factor by which backward through that norm alone scales the gradient
+      (Takase §3), per micro-step and accumulated.
     - ``nonfinite`` / ``nonfinite_grad``: sites whose forward value / gradient held a NaN or
       Inf, in the order they appeared; value 0 is the first.
     - Other per-micro-step statistics (``ln_w_over_sigma``) are averaged over micro-steps
@@ -35,17 +36,21 @@ def finish_rows(keys: list, values: np.ndarray, layout: Layout, wants: set[str],
     scale = next((values[i] for i, k in enumerate(keys) if k[4] == "__scale__"), None)
     if scale is not None:
         for i, k in enumerate(keys):
-            if k[4] == "act_grad_norm" or (k[4] == "param_grad_norm" and not params_unscaled):
+            if k[4] in ("act_grad_norm", "__ln_in__", "__ln_out__") or (k[4] == "param_grad_norm" and not params_unscaled):
                 values[i] /= scale
     rows: list[tuple] = []
     out: list[float] = []
     per_site: dict[tuple, list[float]] = {}  # (quantity, site) -> per-micro values
     per_micro_mean: dict[tuple, list[float]] = {}  # forward statistics averaged over micro-steps
+    gains: dict[tuple, list[float]] = {}  # ("__ln_in__" | "__ln_out__", norm) -> per-micro values
     position: dict[str, tuple] = {}
     n_fwd = n_bwd = 0
     for k, v in zip(keys, values):
         micro, stack, layer, site, quantity, layer_j = k
         if quantity == "__scale__":
+            continue
+        if quantity in ("__ln_in__", "__ln_out__"):
+            gains.setdefault((quantity, site), []).append(v)
             continue
         if quantity in ("act_norm", "act_grad_norm"):
             if "nonfinite" in wants and not math.isfinite(v):
@@ -72,15 +77,14 @@ def finish_rows(keys: list, values: np.ndarray, layout: Layout, wants: set[str],
     for (quantity, site), vs in per_micro_mean.items():
         rows.append((-1, *position[site], site, quantity, None))
         out.append(sum(vs) / len(vs))
-    accumulated = {key: math.sqrt(sum(x * x for x in vs)) for key, vs in per_site.items()}
+    accumulated = {key: _rss(vs) for key, vs in per_site.items()}
     for (quantity, site), value in accumulated.items():
         if quantity in wants:
             rows.append((-1, *position[site], site, quantity, None))
             out.append(value)
     if "ln_gain" in wants:
-        micro_values = {key: vs for key, vs in per_site.items() if key[0] == "act_grad_norm"}
         for norm in layout.norms:
-            g_in, g_out = micro_values.get(("act_grad_norm", norm.site_in)), micro_values.get(("act_grad_norm", norm.site_out))
+            g_in, g_out = gains.get(("__ln_in__", norm.name)), gains.get(("__ln_out__", norm.name))
             if not g_in or not g_out or len(g_in) != len(g_out):
                 continue
             if micro_steps > 1:
@@ -88,8 +92,13 @@ def finish_rows(keys: list, values: np.ndarray, layout: Layout, wants: set[str],
                     rows.append((m, norm.stack, norm.layer, norm.name, "ln_gain", None))
                     out.append(_ratio(a, b))
             rows.append((-1, norm.stack, norm.layer, norm.name, "ln_gain", None))
-            out.append(_ratio(accumulated[("act_grad_norm", norm.site_in)], accumulated[("act_grad_norm", norm.site_out)]))
+            out.append(_ratio(_rss(g_in), _rss(g_out)))
     return rows, np.asarray(out, dtype=np.float64)
+
+
+def _rss(values: list[float]) -> float:
+    """sqrt(Σ v²): the norm over the whole accumulated batch from per-micro-step norms."""
+    return math.sqrt(sum(v * v for v in values))
 
 
 def _ratio(a: float, b: float) -> float:

@@ -1,0 +1,233 @@
+"""Per-layer profiles: a value against layer index, one line per hue level.
+
+Takase (2022) Fig. 3 and Fig. 4/7, Wang (2019) §5 (embedding gradient, layer 0),
+Xu (2020) Table 2 (w/σ), Nguyen & Salazar (2019) (ScaleNorm g vs depth).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import numpy as np
+import pandas as pd
+from matplotlib.axes import Axes
+
+from gradscope.plots import _style
+from gradscope.plots import select as S
+from gradscope.plots.select import StepSpec
+
+
+def _points(df: pd.DataFrame, step: StepSpec, what: str) -> tuple[pd.DataFrame, dict[str, int]]:
+    data, steps = S.at_step(df, step)
+    if data.empty:
+        raise ValueError(f"no rows for {what} at step {step!r}")
+    return S.one_per_point(data), steps
+
+
+def _draw_profiles(
+    ax: Axes, points: pd.DataFrame, hue: str, hue_order: Sequence[str] | None
+) -> None:
+    """One line per hue level: x = layer, y = mean over that layer's sites."""
+    S.check_one_run_per_hue(points, hue)
+    for level in S.hue_values(points, hue, hue_order):
+        series = S.layer_series(points.loc[points[hue] == level])
+        ax.plot(series.index.to_numpy(dtype=float), series.to_numpy(), marker="o",
+                markersize=3, label=level)
+
+
+def layer_norms(
+    df: pd.DataFrame,
+    *,
+    quantity: str = "act_grad_norm",
+    stack: str = "decoder",
+    site_suffix: str = "out",
+    include_embed: bool = False,
+    hue: str = "variant",
+    hue_order: Sequence[str] | None = None,
+    step: StepSpec = "first",
+    logy: bool = True,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """Value at ``<stack>.layers.<i>.<site_suffix>`` against layer (Takase 2022 Fig. 3).
+
+    Args:
+        df: tidy table (``gradscope.table``); not modified.
+        quantity: table quantity, default the activation-gradient norm.
+        stack: ``"encoder"`` or ``"decoder"``.
+        site_suffix: site after ``layers.<i>.``: ``"out"`` (layer output), ``"in"``,
+            ``"ffn.sum"``...
+        include_embed: also draw ``<stack>.embed.out`` at layer 0 (Wang 2019 §5).
+        hue: column giving one line per value (each value must be one run): ``variant``,
+            ``run``, ``stack`` or ``site``.
+        hue_order: order of the lines; default sorted.
+        step: step, or ``"first"`` (default: start of training, as in Takase Fig. 3) or
+            ``"last"``, resolved per run.
+        logy: log-scaled y axis.
+        ax: Axes to draw on; default the current one.
+        title: first title line (preset, model size); the step follows automatically.
+
+    Returns:
+        The Axes.
+
+    Raises:
+        ValueError: no matching rows, or a hue value covers several runs.
+    """
+    data = S.rows(df, quantity=quantity, stack=stack)
+    pattern = S.layer_site_pattern(stack, site_suffix)
+    if include_embed:
+        pattern = f"(?:{pattern})|{re.escape(stack)}\\.embed\\.out"
+    points, steps = _points(S.sites_matching(data, pattern), step, f"{quantity} at {pattern}")
+    ax = _style.get_ax(ax)
+    _draw_profiles(ax, points, hue, hue_order)
+    ax.set_xlabel("layer (0 = embedding output)" if include_embed else "layer")
+    _style.integer_x(ax)
+    ax.set_ylabel(_style.quantity_label(quantity, S.reduction_text(points), _style.loss_unit(df)))
+    if logy:
+        ax.set_yscale("log")
+    _style.legend(ax, title=hue)
+    return _style.finish(ax, title, [f"{stack} · site layers.i.{site_suffix}", _style.step_note(steps),
+                                     _style.averaged_note(int(points["n"].max()))])
+
+
+def location_norms(
+    df: pd.DataFrame,
+    *,
+    layers: Sequence[int] | None = None,
+    run: str | None = None,
+    variant: str | None = "post_ln",
+    quantity: str = "act_grad_norm",
+    stack: str = "decoder",
+    step: StepSpec = "first",
+    logy: bool = True,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """Gradient norm at Takase (2022) Fig. 4/7 locations (1)-(5), one line per layer.
+
+    x is the location 1..5 (``select.LOCATIONS``): a backward pass crosses LN1 going
+    (2)→(1) and LN2 going (4)→(3). Absent locations (no cross-attention) are NaN gaps.
+
+    Args:
+        df: tidy table; not modified.
+        layers: 1-based layers to draw; default ``select.default_layers(depth)``, i.e.
+            (1, L // 2, L) — the paper's (1, 9, 18) at 18 layers.
+        run: run name; overrides ``variant`` as the selector.
+        variant: variant whose single run is drawn (default ``post_ln``).
+        quantity: table quantity.
+        stack: stack holding the layers.
+        step: step or ``"first"`` (default) / ``"last"``.
+        logy: log-scaled y axis.
+        ax: Axes to draw on.
+        title: first title line.
+
+    Returns:
+        The Axes.
+
+    Raises:
+        ValueError: no rows, several runs selected, or a requested layer is absent.
+    """
+    data = S.single_run(S.rows(df, quantity=quantity, stack=stack), run=run,
+                        variant=None if run is not None else variant)
+    points, steps = _points(data, step, f"{quantity} in {stack} of {run or variant}")
+    depth = S.layer_depth(points, stack)
+    chosen = tuple(layers) if layers is not None else S.default_layers(depth or 0)
+    present = set(points["layer"].dropna().astype(int))
+    missing = [i for i in chosen if i not in present]
+    if missing:
+        raise ValueError(f"layers {missing} not in the data (layers present: {sorted(present)})")
+    ax = _style.get_ax(ax)
+    x = np.arange(1, len(S.LOCATIONS) + 1, dtype=float)
+    for layer in chosen:
+        ax.plot(x, S.location_values(points, stack, layer), marker="o", label=f"layer {layer}")
+    ax.set_xticks(x, [label for _, label in S.LOCATIONS])
+    ax.set_xlabel(f"location in {stack} layer (Takase 2022 Fig. 4)")
+    ax.set_ylabel(_style.quantity_label(quantity, S.reduction_text(points), _style.loss_unit(df)))
+    if logy:
+        ax.set_yscale("log")
+    _style.legend(ax)
+    return _style.finish(ax, title, [str(points["run"].iloc[0]), _style.step_note(steps),
+                                     _style.averaged_note(int(points["n"].max()))])
+
+
+def _norm_profile(
+    df: pd.DataFrame, quantity: str, stack: str, hue: str, hue_order: Sequence[str] | None,
+    step: StepSpec, ax: Axes | None,
+) -> tuple[Axes, pd.DataFrame, dict[str, int]]:
+    """Per-norm quantity averaged per layer (sites opaque; the ``layer`` column is x)."""
+    data = S.rows(df, quantity=quantity, stack=stack)
+    points, steps = _points(data.loc[data["layer"].notna()], step, f"{quantity} in {stack}")
+    ax = _style.get_ax(ax)
+    _draw_profiles(ax, points, hue, hue_order)
+    ax.set_xlabel("layer")
+    _style.integer_x(ax)
+    ax.set_ylabel(_style.quantity_label(quantity, S.reduction_text(points), _style.loss_unit(df)))
+    return ax, points, steps
+
+
+def w_over_sigma(
+    df: pd.DataFrame,
+    *,
+    stack: str = "encoder",
+    hue: str = "run",
+    hue_order: Sequence[str] | None = None,
+    step: StepSpec = "first",
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """Mean LayerNorm w/σ per layer with a reference line at 1 (Xu 2020 Table 2).
+
+    Below 1, a Post-LN norm shrinks the residual it normalises. Several norms in one layer
+    are averaged (stated on the figure); stack-level norms (``layer`` NA) are left out.
+
+    Args:
+        df: tidy table with ``ln_w_over_sigma`` rows; not modified.
+        stack: ``"encoder"`` or ``"decoder"``.
+        hue: column for one line per value; default ``run`` (post_ln with two inits are
+            the same variant).
+        hue_order: order of the lines.
+        step: step or ``"first"`` (default: at init) / ``"last"``.
+        ax: Axes to draw on.
+        title: first title line.
+
+    Returns:
+        The Axes; the reference line is the last line, labelled ``"w/σ = 1"``.
+    """
+    ax, points, steps = _norm_profile(df, "ln_w_over_sigma", stack, hue, hue_order, step, ax)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="w/σ = 1")
+    _style.legend(ax, title=hue)
+    return _style.finish(ax, title, [stack, "mean over the layer's norms", _style.step_note(steps),
+                                     _style.averaged_note(int(points["n"].max()))])
+
+
+def scalenorm_g(
+    df: pd.DataFrame,
+    *,
+    stack: str = "encoder",
+    hue: str = "run",
+    hue_order: Sequence[str] | None = None,
+    step: StepSpec = "last",
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """Learned ScaleNorm g against depth (Nguyen & Salazar 2019).
+
+    Several norms in one layer are averaged; the final norm (``layer`` NA) is left out.
+
+    Args:
+        df: tidy table with ``scalenorm_g`` rows; not modified.
+        stack: ``"encoder"`` or ``"decoder"``.
+        hue: column for one line per value.
+        hue_order: order of the lines.
+        step: step or ``"first"`` / ``"last"`` (default: after training).
+        ax: Axes to draw on.
+        title: first title line.
+
+    Returns:
+        The Axes.
+    """
+    ax, points, steps = _norm_profile(df, "scalenorm_g", stack, hue, hue_order, step, ax)
+    _style.legend(ax, title=hue)
+    return _style.finish(ax, title, [stack, "mean over the layer's norms", _style.step_note(steps),
+                                     _style.averaged_note(int(points["n"].max()))])
