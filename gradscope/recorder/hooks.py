@@ -6,7 +6,9 @@ gradient is ∂loss/∂h for that tensor h (all its uses summed). The recorder n
 graph (no inserted ops, no returned replacements), so training with it is bit-identical.
 
 ``ln_gain`` needs the gradient that flows back *through the norm alone*; in Pre-LN the norm
-input is also the residual stream, whose total gradient is larger. When the gradient of a
+input is also the residual stream, whose total gradient is larger. For PyTorch's fused
+LayerNorm, a hook on the norm's own autograd node reads it (``grad_inputs[0]``) for free.
+For other norms (RMSNorm, ScaleNorm, HuggingFace's T5LayerNorm), when the gradient of the
 norm's output arrives, the hook takes the vector-Jacobian product of the norm at its saved
 input with that gradient (one extra small backward through the norm, no ``.grad`` written).
 
@@ -28,6 +30,9 @@ from torch import nn
 from gradscope.models.norms import ScaleNorm
 from gradscope.recorder.layout import Layout, NormProbe, Probe
 from gradscope.recorder.store import StepBuffer
+
+
+FUSED_NORM_NODES = frozenset({"NativeLayerNormBackward0"})
 
 
 def _norm(t: torch.Tensor) -> torch.Tensor:
@@ -178,6 +183,16 @@ class StepHooks:
                 return
             self.hooked.add(key)
             keys = [(self.micro, norm.stack, norm.layer, norm.name, q, None) for q in ("__ln_in__", "__ln_out__")]
+            node = y.grad_fn
+            if type(node).__name__ in FUSED_NORM_NODES:  # its grad_inputs[0] is the gradient through the norm alone
+
+                def on_node(grad_inputs, grad_outputs) -> None:
+                    if self.active and grad_inputs[0] is not None:
+                        self.buf.add(keys[0], _norm(grad_inputs[0]))
+                        self.buf.add(keys[1], _norm(grad_outputs[0]))
+
+                self.tensor_handles.append(node.register_hook(on_node))
+                return
             x = x.detach()
 
             def on_grad(grad: torch.Tensor) -> None:
