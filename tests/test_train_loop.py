@@ -182,7 +182,7 @@ class FakeRecorder:
         self.events.append(("exit", step))
         self.in_step = False
 
-    def log(self, step, quantity, value):
+    def log(self, quantity, value, *, step):
         self.events.append(("log", step, quantity, value))
 
 

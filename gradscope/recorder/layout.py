@@ -10,6 +10,7 @@ the model.
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import re
 from dataclasses import dataclass, field
@@ -168,7 +169,8 @@ def find_layout(model: nn.Module, sites: list[str] | None = None) -> Layout:
 
     Args:
         model: a zoo model, or any ``nn.Module``.
-        sites: optional shell-style patterns (``"decoder.layers.*.ffn.sum"``); only matching
+        sites: optional shell-style (fnmatch) patterns (``"decoder.layers.*.ffn.sum"``; ``*``
+            also matches dots, ``?`` one character); only matching
             sites are probed. Norm and cosine quantities need their sites kept.
 
     Raises:
@@ -183,6 +185,10 @@ def find_layout(model: nn.Module, sites: list[str] | None = None) -> Layout:
         names = layout.site_names()
         for pattern in sites:
             if not fnmatch.filter(names, pattern):
-                raise ValueError(f"sites: pattern {pattern!r} matches no site; valid sites include {names[:8]} ... ({len(names)} in all)")
+                close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.3)
+                raise ValueError(
+                    f"sites: pattern {pattern!r} matches no site; closest: {close}; valid sites include "
+                    f"{names[:4]} ... ({len(names)} in all, list them with gradscope.site_names(model))"
+                )
         layout.probes = [p for p in layout.probes if any(fnmatch.fnmatchcase(p.name, pat) for pat in sites)]
     return layout

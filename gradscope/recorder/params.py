@@ -4,6 +4,11 @@ Groups (SPEC §3 "per layer and per sub-layer, and the global total") come from 
 ``""`` is the total. A group's norm is sqrt(Σ_p ‖g_p‖²) over its parameters, computed as
 ``sqrt(M @ sq)`` with M the (groups × params) membership matrix and sq the squared
 per-parameter norms from ``torch._foreach_norm`` — no host sync.
+
+Under FSDP2 (or any DTensor parameters) a gradient's ``to_local()`` is this rank's shard,
+so the squared shard norms are summed across the device mesh with one ``all_reduce`` per
+call (see :func:`gradscope.distributed.reduce_squared_norms`); every rank then holds the
+global norms. Plain tensors (single process, DDP after its all-reduce) are used as they are.
 """
 
 from __future__ import annotations
@@ -23,8 +28,8 @@ class ParamGroups:
     """
 
     def __init__(self, model: nn.Module, layout: Layout) -> None:
+        self.model = model
         self.names = [n for n, _ in model.named_parameters()]
-        self.params = [p for _, p in model.named_parameters()]
         index = {n: i for i, n in enumerate(self.names)}
         self.groups = list(layout.param_groups)
         self.positions = [(layout.param_groups[g][0], layout.param_groups[g][1]) for g in self.groups]
@@ -34,6 +39,12 @@ class ParamGroups:
                 membership[gi, index[pname]] = 1.0
         self._membership = membership
         self._on: dict[torch.device, torch.Tensor] = {}
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The model's parameters now, in ``self.names`` order (read live: ``fully_shard``
+        replaces parameter objects, possibly after the recorder was built)."""
+        return [p for _, p in self.model.named_parameters()]
 
     def membership(self, device: torch.device) -> torch.Tensor:
         """The (groups × params) 0/1 matrix on ``device`` (cached)."""
@@ -51,6 +62,10 @@ class ParamGroups:
         sq = torch.zeros(len(tensors), device=device)
         idx = torch.tensor([i for i, _ in present], device=device)
         sq[idx] = torch.stack([n.float() for n in norms]).to(device) ** 2
+        if any(is_dtensor(t) for _, t in present):
+            from gradscope.distributed import reduce_squared_norms
+
+            sq = reduce_squared_norms(tensors, sq)
         return sq
 
     def group_norms(self, tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
@@ -63,7 +78,22 @@ class ParamGroups:
         return [p.grad for p in self.params]
 
 
+def is_dtensor(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a DTensor (duck-typed, so ``torch.distributed.tensor`` is never imported here)."""
+    return callable(getattr(t, "to_local", None)) and hasattr(t, "placements")
+
+
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The local shard of a DTensor, the tensor itself otherwise."""
-    to_local = getattr(t, "to_local", None)
-    return to_local() if callable(to_local) else t
+    """The local shard of a DTensor, the tensor itself otherwise.
+
+    A DTensor with a ``Partial`` placement (pending sums, as tensor parallelism can leave
+    on gradients) is first redistributed to ``Replicate`` there (a collective for that
+    tensor), since the norm of a sum is not the sum of norms.
+    """
+    if not is_dtensor(t):
+        return t
+    if any(p.is_partial() for p in t.placements):
+        from torch.distributed.tensor import Replicate
+
+        t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
+    return t.to_local()

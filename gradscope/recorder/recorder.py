@@ -57,7 +57,10 @@ class Recorder:
     """Records gradient norms and LayerNorm statistics of ``model``.
 
     Args:
-        model: a zoo model or any ``nn.Module`` (see ``gradscope.recorder.layout``).
+        model: a zoo model or any ``nn.Module`` (see ``gradscope.recorder.layout``). A
+            ``DistributedDataParallel`` wrapper is unwrapped (sites and groups are named
+            from ``model.module``); FSDP2 (``fully_shard``) models are used as they are.
+            Under ``torch.distributed`` see :mod:`gradscope.distributed`.
         quantities: ``"default"`` (norms, ln_gain, loss, lr, nonfinite), ``"all"``, or a
             list of quantity names.
         every: record steps whose index is a multiple of ``every`` (default 1).
@@ -99,6 +102,8 @@ class Recorder:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction: must be 'mean' or 'sum', got {reduction!r}")
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
         self.model = model
         self.quantities = resolve_quantities(quantities)
         self.every, self.slow_every = every, slow_every
@@ -120,7 +125,21 @@ class Recorder:
         self._before_update: list[torch.Tensor] | None = None
         self._opt_handles = []
         self._closed = False
-        if optimizer is not None and "update_ratio" in self.quantities:
+        self._lr_from_optimizer = optimizer is not None
+        if optimizer is not None:
+            self.attach_optimizer(optimizer)
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Measures ``update_ratio`` around ``optimizer.step()`` (hooks removed by ``close``).
+
+        A training loop that builds its own optimizer calls this; ``lr`` is then left to the
+        loop's own ``log("lr", ...)`` unless the optimizer was given to the constructor.
+        """
+        for h in self._opt_handles:
+            h.remove()
+        self.optimizer = optimizer
+        self._opt_handles = []
+        if "update_ratio" in self.quantities:
             self._opt_handles = [
                 optimizer.register_step_pre_hook(self._before_optimizer_step),
                 optimizer.register_step_post_hook(self._after_optimizer_step),
@@ -195,7 +214,7 @@ class Recorder:
         if "scalenorm_g" in wants:
             for norm, g in scalenorm_gains(self.layout):
                 buf.add((-1, norm.stack, norm.layer, norm.name, "scalenorm_g", None), g)
-        if "lr" in wants and self.optimizer is not None:
+        if "lr" in wants and self._lr_from_optimizer:
             buf.add((-1, "", None, "", "lr", None), torch.tensor(float(self.optimizer.param_groups[0]["lr"])))
         keys, values = buf.to_host()  # the one host transfer of this step
         keys, values = finish_rows(keys, values, self.layout, wants, micro_steps=hooks.micro + 1, params_unscaled=self._params_unscaled())
@@ -240,16 +259,44 @@ class Recorder:
         mask = kwargs.get("attention_mask")
         return {s.name: mask.bool() for s in self.layout.stacks} if isinstance(mask, torch.Tensor) else {}
 
+    # -- checkpoints -------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """Recorded rows and the sampling generator's state, as plain containers and tensors
+        (loads with ``torch.load(weights_only=True)``)."""
+        return {"rows": self._store.state_dict(), "generator": self._generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` saved (e.g. when resuming from a checkpoint)."""
+        self._store.load_state_dict(state["rows"])
+        self._generator.set_state(state["generator"])
+
     # -- output ----------------------------------------------------------------------------
-    def frame(self) -> pd.DataFrame:
-        """Everything recorded so far as the tidy table of SPEC §3."""
+    def frame(self, *, gather: bool = False, dst: int = 0) -> pd.DataFrame | None:
+        """Everything recorded so far as the tidy table of SPEC §3.
+
+        Args:
+            gather: collect every rank's rows on rank ``dst``
+                (:func:`gradscope.distributed.gather_frame`). Collective: every rank must
+                call it; the other ranks get None.
+            dst: the rank that receives the gathered table.
+        """
+        if gather:
+            from gradscope.distributed import gather_frame
+
+            return gather_frame(self, dst=dst)
         return self._store.frame(run=self.run, variant=self.variant, rank=self.rank, reduction=self.reduction)
 
-    def save(self, path) -> None:
-        """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``)."""
+    def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
+        """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``).
+
+        With ``gather=True`` every rank must call it; rank ``dst`` writes all ranks' rows
+        and the others write nothing.
+        """
         from gradscope.io import save_frame
 
-        save_frame(self.frame(), path)
+        df = self.frame(gather=gather, dst=dst)
+        if df is not None:
+            save_frame(df, path)
 
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer); the recorded table stays readable."""

@@ -84,9 +84,18 @@ class RowStore:
         """Steps present, in recording order."""
         return [s for s, _, _ in self._chunks]
 
-    def drop_steps_from(self, step: int) -> None:
-        """Forgets rows of steps >= ``step`` (used when resuming from a checkpoint)."""
-        self._chunks = [c for c in self._chunks if c[0] < step]
+    def state_dict(self) -> dict:
+        """Keys and chunks as lists and tensors, safe for ``torch.load(weights_only=True)``."""
+        return {
+            "keys": [list(k) for k in self._keys],
+            "chunks": [(step, torch.from_numpy(ids.copy()), torch.from_numpy(values.copy())) for step, ids, values in self._chunks],
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Replaces the stored rows with those of :meth:`state_dict`."""
+        self._keys = [tuple(k) for k in state["keys"]]
+        self._key_index = {k: i for i, k in enumerate(self._keys)}
+        self._chunks = [(int(step), ids.numpy().astype(np.int32), values.numpy().astype(np.float64)) for step, ids, values in state["chunks"]]
 
     def frame(self, *, run: str, variant: str, rank: int, reduction: str) -> pd.DataFrame:
         """The canonical tidy table of everything stored."""

@@ -8,13 +8,16 @@ One step::
         loss = label_smoothed_loss(logits, task.targets(batch))
         loss.backward()
     value = loss.item()                          # the step's only host sync
-    recorder.log(step, "loss", value); recorder.log(step, "lr", lr)   # if it has log()
+    recorder.log("loss", value, step=step); recorder.log("lr", lr, step=step)   # if it has log()
     clip; optimizer.step(); scheduler.step()     # skipped when the loss is non-finite
     validation every ``eval_every`` steps; checkpoint every ``checkpoint_every`` steps
 
 Recorder protocol (duck-typed): ``recorder.step(step)`` returns a context manager that
 covers forward and backward and closes before ``optimizer.step()``; an optional
-``recorder.log(step, quantity, value)`` receives ``"loss"`` and ``"lr"`` every step.
+``recorder.log(quantity, value, step=step)`` receives ``"loss"`` and ``"lr"`` every step;
+``recorder.attach_optimizer(optimizer)`` (if present) is called once, and
+``recorder.state_dict()`` / ``load_state_dict()`` (if present) travel in the checkpoint, so
+a resumed run's record table has every step exactly once.
 Validation forwards run outside any ``recorder.step`` context.
 """
 
@@ -137,11 +140,15 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
         set_rng_state(state["rng"])
         rows = list(state["history"])
         start = resumed_from = int(state["step"])
+        if recorder is not None and hasattr(recorder, "load_state_dict") and "recorder" in state:
+            recorder.load_state_dict(state["recorder"])
     else:
         seed_everything(config.seed)
 
     step, diverged = start, False
     log = getattr(recorder, "log", None)
+    if hasattr(recorder, "attach_optimizer"):
+        recorder.attach_optimizer(optimizer)
     model.train()
     bar = tqdm(total=config.steps, initial=start, desc=run, disable=None if progress else True, dynamic_ncols=True)
     try:
@@ -160,8 +167,8 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
             rows.append(_row(run, variant, step, "loss", value, LOSS_REDUCTION))
             rows.append(_row(run, variant, step, "lr", lr, ""))
             if log is not None:
-                log(step, "loss", value)
-                log(step, "lr", lr)
+                log("loss", value, step=step)
+                log("lr", lr, step=step)
             bar.update(1)
             bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.3g}", refresh=False)
             if not math.isfinite(value):
@@ -182,6 +189,7 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
                     "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
                     "scheduler": scheduler.state_dict(), "rng": get_rng_state(), "history": rows,
                     "config": dataclasses.asdict(config), "task": repr(task),
+                    **({"recorder": recorder.state_dict()} if hasattr(recorder, "state_dict") else {}),
                 })
     finally:
         bar.close()

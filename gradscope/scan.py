@@ -1,0 +1,144 @@
+"""``python -m gradscope scan``: one forward/backward on a synthetic batch, and a verdict.
+
+The scan answers "will this stack have trouble?" before any training: the per-layer
+gradient norm of every layer output, the smallest LayerNorm gain (Takase 2022 §3), and any
+non-finite site. Models: a zoo variant, or a HuggingFace architecture built from its config
+class with random weights (nothing is downloaded).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import pandas as pd
+import torch
+import torch.nn.functional as F
+
+import gradscope
+
+DECAY_VANISHING = 0.1  # bottom/top gradient ratio below this: vanishing toward the bottom
+DECAY_EXPLODING = 10.0  # above this: growing toward the bottom
+HF_ARCHS = ("gpt2", "bert", "t5", "llama")
+
+
+@dataclass(frozen=True)
+class ScanResult:
+    """What a scan found.
+
+    Attributes:
+        table: the tidy table of the step.
+        layers: per-layer summary (stack, layer, act_grad_norm at the layer output,
+            smallest ln_gain inside the layer).
+        decay: stack → act_grad_norm(first layer output) / act_grad_norm(last layer output).
+        smallest_gain: (norm name, value) of the smallest ln_gain, or None.
+        nonfinite: sites where a NaN/Inf appeared, in order (forward first).
+    """
+
+    table: pd.DataFrame
+    layers: pd.DataFrame
+    decay: dict[str, float]
+    smallest_gain: tuple[str, float] | None
+    nonfinite: list[str]
+
+    def verdicts(self) -> list[str]:
+        """One line per finding."""
+        lines = []
+        for stack, ratio in self.decay.items():
+            kind = ("vanishing toward the bottom" if ratio < DECAY_VANISHING else
+                    "growing toward the bottom" if ratio > DECAY_EXPLODING else "within 10x top to bottom")
+            lines.append(f"{stack or 'blocks'}: gradient norm bottom/top layer = {ratio:.3g} ({kind}; thresholds {DECAY_VANISHING}, {DECAY_EXPLODING})")
+        if self.smallest_gain:
+            lines.append(f"smallest LN gain ‖grad in‖/‖grad out‖ = {self.smallest_gain[1]:.3g} at {self.smallest_gain[0]}")
+        lines.append("non-finite sites: " + (", ".join(self.nonfinite[:5]) if self.nonfinite else "none"))
+        return lines
+
+    @property
+    def healthy(self) -> bool:
+        """No non-finite value and every stack's decay within the thresholds."""
+        return not self.nonfinite and all(DECAY_VANISHING <= r <= DECAY_EXPLODING for r in self.decay.values())
+
+
+def summarize(table: pd.DataFrame) -> ScanResult:
+    """Builds the per-layer summary and verdict from one step's tidy table."""
+    acc = table[table.micro_step == -1]
+    grads = acc[(acc.quantity == "act_grad_norm") & acc.layer.notna() & (acc.layer > 0)]
+    # a layer's own output: '<stack>.layers.<i>.out' (zoo) or '<blocks>.<i>.out' (foreign blocks)
+    own = [s in (f"{st}.layers.{int(l) - 1}.out", f"{st}.{int(l) - 1}.out") for s, st, l in zip(grads.site, grads["stack"], grads.layer)]
+    layers = grads[own][["stack", "layer", "site", "value"]].rename(columns={"value": "act_grad_norm"})
+    gains = acc[acc.quantity == "ln_gain"]
+    min_gain = gains.groupby(["stack", "layer"], dropna=False).value.min().rename("min_ln_gain").reset_index()
+    layers = layers.merge(min_gain, on=["stack", "layer"], how="left").sort_values(["stack", "layer"]).reset_index(drop=True)
+    decay = {}
+    for stack, rows in layers.groupby("stack", sort=False):
+        rows = rows.sort_values("layer")
+        top = rows.act_grad_norm.iloc[-1]
+        decay[stack] = rows.act_grad_norm.iloc[0] / top if top > 0 else math.inf
+    smallest = None
+    finite_gains = gains[gains.value.apply(math.isfinite)]
+    if len(finite_gains):
+        row = finite_gains.loc[finite_gains.value.idxmin()]
+        smallest = (row.site, float(row.value))
+    bad = table[table.quantity.isin(["nonfinite", "nonfinite_grad"])].sort_values(["quantity", "value"], ascending=[True, True])
+    return ScanResult(table, layers, decay, smallest, bad.site.tolist())
+
+
+def zoo_model(args) -> tuple[torch.nn.Module, tuple, callable]:
+    """A zoo model, a synthetic batch and its loss function from scan arguments, on ``args.device``."""
+    config = gradscope.ModelConfig(arch=args.arch, variant=args.variant, init=args.init, n_enc=args.n_enc, n_dec=args.n_dec,
+                                   d_model=args.d_model, n_heads=args.n_heads, d_ff=args.d_ff, vocab=args.vocab,
+                                   dropout=0.0, max_len=max(args.length + 1, 8))
+    model = gradscope.build_model(config)
+    g = torch.Generator().manual_seed(args.seed)
+    src = torch.randint(3, args.vocab, (args.batch_size, args.length), generator=g)
+    tgt = torch.randint(3, args.vocab, (args.batch_size, args.length + 1), generator=g)
+    inputs = (src, tgt[:, :-1]) if args.arch == "encoder_decoder" else (src,)
+    target = tgt[:, 1:] if args.arch == "encoder_decoder" else torch.roll(src, -1, dims=1)
+    model.to(args.device)
+    inputs, target = tuple(t.to(args.device) for t in inputs), target.to(args.device)
+    if args.variant == "admin":
+        gradscope.admin_init(model, *inputs)
+
+    def loss_fn(logits):
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(), label_smoothing=0.1)
+
+    return model, inputs, loss_fn
+
+
+def hf_model(args) -> tuple[torch.nn.Module, dict]:
+    """A HuggingFace model built from its config class (random weights), a batch and a loss."""
+    try:
+        import transformers
+    except ImportError as err:
+        raise SystemExit("scan --hf needs transformers: pip install 'gradscope[hf]'") from err
+    n, d, heads, vocab = args.n_layer, args.d_model, args.n_heads, args.vocab
+    builders = {
+        "gpt2": lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=n, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=max(64, args.length), bos_token_id=0, eos_token_id=0)),
+        "bert": lambda: transformers.BertForMaskedLM(transformers.BertConfig(
+            num_hidden_layers=n, hidden_size=d, num_attention_heads=heads, intermediate_size=4 * d, vocab_size=vocab,
+            max_position_embeddings=max(64, args.length))),
+        "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+            num_layers=n, num_decoder_layers=n, d_model=d, d_ff=4 * d, d_kv=d // heads, num_heads=heads, vocab_size=vocab,
+            decoder_start_token_id=0, pad_token_id=0)),
+        "llama": lambda: transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            num_hidden_layers=n, hidden_size=d, num_attention_heads=heads, num_key_value_heads=heads, intermediate_size=4 * d,
+            vocab_size=vocab, max_position_embeddings=max(64, args.length), bos_token_id=0, eos_token_id=0, pad_token_id=0)),
+    }
+    model = builders[args.hf]().to(args.device).train()
+    ids = torch.randint(1, vocab, (args.batch_size, args.length), generator=torch.Generator().manual_seed(args.seed))
+    return model, {"input_ids": ids.to(args.device), "labels": ids.to(args.device)}
+
+
+def run_scan(args) -> ScanResult:
+    """Builds the model the arguments describe, records one step, and summarises it."""
+    torch.manual_seed(args.seed)
+    if args.hf:
+        model, kwargs = hf_model(args)
+        with gradscope.record(model, quantities="default", run="scan") as rec:
+            loss = model(**kwargs).loss
+            loss.backward()
+            rec.log("loss", loss)
+        return summarize(rec.frame())
+    model, inputs, loss_fn = zoo_model(args)
+    return summarize(gradscope.snapshot(model, inputs, loss_fn, quantities="default", run="scan"))
