@@ -57,7 +57,8 @@ class Recorder:
     """Records gradient norms and LayerNorm statistics of ``model``.
 
     Args:
-        model: a zoo model or any ``nn.Module`` (see ``gradscope.recorder.layout``). A
+        model: a zoo model (also when wrapped, e.g. in a LightningModule or DDP) or any
+            ``nn.Module`` (see ``gradscope.recorder.layout``). A
             ``DistributedDataParallel`` wrapper is unwrapped (sites and groups are named
             from ``model.module``); FSDP2 (``fully_shard``) models are used as they are.
             Under ``torch.distributed`` see :mod:`gradscope.distributed`.
@@ -104,6 +105,7 @@ class Recorder:
             raise ValueError(f"reduction: must be 'mean' or 'sum', got {reduction!r}")
         if isinstance(model, nn.parallel.DistributedDataParallel):
             model = model.module
+        model = zoo_inside(model)
         self.model = model
         self.quantities = resolve_quantities(quantities)
         self.every, self.slow_every = every, slow_every
@@ -118,9 +120,9 @@ class Recorder:
         self._generator = torch.Generator().manual_seed(seed)
         self._store = RowStore()
         self._hooks: StepHooks | None = None
+        self._wants: set[str] = set()
         self._buffer: StepBuffer | None = None
         self._step: int | None = None
-        self._last_recorded: int | None = None
         self._pending_update: int | None = None
         self._before_update: list[torch.Tensor] | None = None
         self._opt_handles = []
@@ -153,30 +155,53 @@ class Recorder:
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator["Recorder"]:
         """Records one training step: enter before the forward, leave after ``backward()``."""
+        self.begin_step(step)
+        try:
+            yield self
+        except BaseException:
+            self.abort_step()
+            raise
+        self.end_step()
+
+    def begin_step(self, step: int) -> bool:
+        """Opens step ``step`` (for callbacks; prefer the ``step`` context). Returns whether it is recorded."""
         if self._closed:
             raise RuntimeError("Recorder.step: the recorder is closed")
         if self._step is not None:
             raise RuntimeError(f"Recorder.step({step}): step {self._step} is still open (steps do not nest)")
+        self._step = step
         if not self.records(step):
-            yield self
-            return
-        wants = set(self.quantities)
+            return False
+        self._wants = set(self.quantities)
         if step % (self.every * self.slow_every):
-            wants -= SLOW_QUANTITIES
-        self._step, self._buffer = step, StepBuffer()
-        self._hooks = StepHooks(self.model, self.layout, self._buffer, wants, self.cosine_tokens, self._generator, self._token_masks)
+            self._wants -= SLOW_QUANTITIES
+        self._buffer = StepBuffer()
+        self._hooks = StepHooks(self.model, self.layout, self._buffer, self._wants, self.cosine_tokens, self._generator, self._token_masks)
         self._hooks.install()
+        return True
+
+    def end_step(self) -> None:
+        """Closes the open step after backward: removes hooks, stores the step's rows."""
+        if self._step is None:
+            raise RuntimeError("Recorder.end_step: no open step")
+        step, hooks = self._step, self._hooks
         try:
-            yield self
-        except BaseException:
-            self._hooks.remove()
-            self._step = self._hooks = self._buffer = None
-            raise
-        self._hooks.remove()
-        try:
-            self._finish(step, wants)
+            if hooks is not None:
+                hooks.remove()
+                self._finish(step, self._wants)
         finally:
             self._step = self._hooks = self._buffer = None
+
+    def abort_step(self) -> None:
+        """Discards the open step (after an exception): hooks removed, nothing stored."""
+        if self._hooks is not None:
+            self._hooks.remove()
+        self._step = self._hooks = self._buffer = None
+
+    @property
+    def open_step(self) -> int | None:
+        """The step currently open, or None."""
+        return self._step
 
     def log(self, quantity: str, value: float | torch.Tensor, *, step: int | None = None) -> None:
         """Logs a scalar (``loss``, ``val_loss``, ...) for the open step, or for ``step``.
@@ -190,9 +215,9 @@ class Recorder:
             self._buffer.add(key, value)
             return
         if step is None:
-            if self._step is None and self._last_recorded is None:
+            if self._step is None:
                 raise ValueError("Recorder.log: no open step; pass step=")
-            return  # a step that is not recorded: nothing to log
+            return  # the open step is not recorded: nothing to log
         self._store.append(step, [key], np.array([value.item()]))
 
     # -- end of step ---------------------------------------------------------------------
@@ -219,7 +244,6 @@ class Recorder:
         keys, values = buf.to_host()  # the one host transfer of this step
         keys, values = finish_rows(keys, values, self.layout, wants, micro_steps=hooks.micro + 1, params_unscaled=self._params_unscaled())
         self._store.append(step, keys, values)
-        self._last_recorded = step
         if "update_ratio" in wants and self.optimizer is not None:
             self._pending_update = step
 
@@ -298,6 +322,12 @@ class Recorder:
         if df is not None:
             save_frame(df, path)
 
+    def to_tensorboard(self, log_dir) -> int:
+        """Writes ``frame()`` as TensorBoard scalars; see ``gradscope.integrations.tensorboard``."""
+        from gradscope.integrations.tensorboard import to_tensorboard
+
+        return to_tensorboard(self.frame(), log_dir)
+
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer); the recorded table stays readable."""
         if self._hooks is not None:
@@ -317,6 +347,14 @@ class Recorder:
     def site_names(self) -> list[str]:
         """The sites this recorder probes."""
         return self.layout.site_names()
+
+
+def zoo_inside(model: nn.Module) -> nn.Module:
+    """The zoo model itself, or the first zoo model wrapped inside ``model`` (a LightningModule,
+    a DDP wrapper...), so that site names stay canonical; otherwise ``model``."""
+    if isinstance(model, ZooModel):
+        return model
+    return next((m for m in model.modules() if isinstance(m, ZooModel)), model)
 
 
 def _dist_rank() -> int:
