@@ -64,8 +64,9 @@ def rows(
 
 
 def layer_site_pattern(stack: str, suffix: str) -> str:
-    """Regex for ``<stack>.layers.<i>.<suffix>`` site names."""
-    return rf"{re.escape(stack)}\.layers\.\d+\.{re.escape(suffix)}"
+    """Regex for ``<stack>.layers.<i>.<suffix>`` (zoo) or ``<stack>.<i>.<suffix>`` (blocks found in
+    any other model, e.g. ``transformer.h.3.out``) site names."""
+    return rf"{re.escape(stack)}\.(layers\.)?\d+\.{re.escape(suffix)}"
 
 
 def sites_matching(df: pd.DataFrame, pattern: str) -> pd.DataFrame:
@@ -166,7 +167,7 @@ def layer_series(points: pd.DataFrame) -> pd.Series:
 
 def layer_depth(df: pd.DataFrame, stack: str) -> int | None:
     """Number of layers of ``stack``: the largest ``layer`` among its ``layers.<i>.*`` sites."""
-    sub = sites_matching(rows(df, stack=stack), rf"{re.escape(stack)}\.layers\.\d+\..+")
+    sub = sites_matching(rows(df, stack=stack), rf"{re.escape(stack)}\.(layers\.)?\d+\..+")
     layers = sub["layer"].dropna()
     return int(layers.max()) if len(layers) else None
 
