@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test: venv
-	MPLBACKEND=Agg $(BIN)/python -m pytest -n $(JOBS) --timeout 900 tests
+	MPLBACKEND=Agg OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --timeout 900 tests
 
 figures: venv
 	MPLBACKEND=Agg $(BIN)/python -m analyses --preset $(PRESET) --out figures
