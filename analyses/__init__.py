@@ -1,0 +1,22 @@
+"""The papers' figures, one ``python -m analyses.<name>`` each (SPEC §4).
+
+| module | figure | claims |
+|---|---|---|
+| ``grad_norms`` | Takase 2022 Fig. 3; Wang 2019 §5 | Post-LN vanishes, Pre-LN decays, B2T mitigates; embedding grad |
+| ``ln_locations`` | Takase 2022 Fig. 4 / 7 | the gradient drops through each LayerNorm |
+| ``residual_shrink`` | Xu 2020 Table 2 | Post-LN w/σ < 1; Lipschitz init keeps it nearer 1 |
+| ``cosine`` | Takase 2022 Fig. 5 | Pre-LN's lower-left similarities are higher; B2T keeps Post-LN's pattern |
+| ``dlcl_weights`` | Wang 2019 Fig. 5 a-c | DLCL W dense early, sparse late, mass near the diagonal |
+| ``warmup_free`` | Nguyen & Salazar 2019 | PreNorm / ScaleNorm train without warm-up, PostNorm does not |
+| ``convergence`` | Takase 2022 Fig. 1/6/8/9; Xu 2020 Tab. 1/3; Wang 2019 Fig. 3 | deep Post-LN fails; Lipschitz rescues |
+| ``scan_agreement`` | (validation of ``gradscope scan``) | the step-0 scan verdict vs. converged/failed of each convergence run |
+
+``python -m analyses --preset default --out figures`` runs them all in this order, then the
+validations (``scan_agreement``, which reads ``convergence``'s sweep). Shared
+code (presets, flags, running, saving) is in :mod:`analyses.common`.
+"""
+
+ANALYSES: tuple[str, ...] = (
+    "grad_norms", "ln_locations", "residual_shrink", "cosine", "dlcl_weights", "warmup_free", "convergence",
+)
+VALIDATIONS: tuple[str, ...] = ("scan_agreement",)  # run after the figures; they read their outputs

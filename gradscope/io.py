@@ -27,11 +27,19 @@ def atomic_write(path: str | os.PathLike, write) -> Path:
     os.close(fd)
     try:
         write(tmp)
+        os.chmod(tmp, _default_mode())  # mkstemp makes 0600; give the file the usual permissions
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _default_mode() -> int:
+    """0666 less the process umask, what ``open(path, "w")`` would have given."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 def save_frame(df: pd.DataFrame, path: str | os.PathLike) -> Path:

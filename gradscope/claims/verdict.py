@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from gradscope.io import atomic_write
 
 HOLDS, FAILS, NOT_MEASURED = "holds", "does not hold", "not measured"
 
@@ -134,17 +135,4 @@ def write_claims(verdicts: Iterable[Verdict], path: str | os.PathLike[str], *, a
     sections = _read_sections(path)
     sections[analysis.strip()] = render_section(verdicts, analysis.strip())
     text = HEADER + "".join("\n" + sections[name] for name in sorted(sections))
-    mode = path.stat().st_mode & 0o777 if path.exists() else 0o644
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, mode)  # mkstemp creates 0600; keep the usual permissions
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    return path
+    return atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

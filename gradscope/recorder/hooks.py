@@ -21,6 +21,7 @@ for reentrant checkpointing, whose first pass runs under ``no_grad``). Nothing c
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -98,6 +99,7 @@ class StepHooks:
         self.masks: dict[str, torch.Tensor | None] = {}
         self.samples: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # stack -> (idx, weights)
         self.cosine_rows: dict[str, dict[int, torch.Tensor]] = {}
+        self.tensors: dict[tuple[int, int], dict] = {}  # (micro, id(tensor)) -> shared norm and grad keys
         self.active = True
         self._cosine_site = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
         self._norm_by_site_in = {n.site_in: n for n in layout.norms}
@@ -137,23 +139,42 @@ class StepHooks:
             self.masks = self.token_masks(args, kwargs)
         return None
 
+    def _shared(self, value: torch.Tensor) -> dict:
+        """Per-tensor state for this micro-step: several sites often see one tensor (a Post-LN
+        ``sum`` is its ``norm.in``; a layer's ``out`` is the next layer's ``in``), and they
+        share one forward norm and one gradient hook."""
+        slot = (self.micro, id(value))
+        entry = self.tensors.get(slot)
+        if entry is None or entry["ref"]() is not value:  # ids of freed tensors are reused
+            entry = self.tensors[slot] = {"ref": weakref.ref(value), "norm": None, "grad_keys": [], "hooked": False}
+        return entry
+
     def _observe(self, probe: Probe, value: torch.Tensor) -> None:
         """Forward statistics and the gradient hook for one site value."""
         key = (self.micro, probe.name)
+        entry = self._shared(value)
         if key not in self.fired:
             self.fired.add(key)
             if self.forward_stats:
-                self.buf.add((self.micro, probe.stack, probe.layer, probe.name, "act_norm", None), _norm(value))
+                if entry["norm"] is None:
+                    entry["norm"] = _norm(value)
+                self.buf.add((self.micro, probe.stack, probe.layer, probe.name, "act_norm", None), entry["norm"])
             if probe.name in self._cosine_site and self.micro == 0 and "cosine" in self.wants:
                 self._capture_cosine(probe.name, value)
         if not (self.grad_stats and value.requires_grad) or key in self.hooked:
             return
         self.hooked.add(key)
-        grad_key = (self.micro, probe.stack, probe.layer, probe.name, "act_grad_norm", None)
+        entry["grad_keys"].append((self.micro, probe.stack, probe.layer, probe.name, "act_grad_norm", None))
+        if entry["hooked"]:
+            return
+        entry["hooked"] = True
+        keys = entry["grad_keys"]  # later sites on the same tensor join this list before backward
 
         def on_grad(grad: torch.Tensor) -> None:
             if self.active:
-                self.buf.add(grad_key, _norm(grad))
+                norm = _norm(grad)
+                for grad_key in keys:
+                    self.buf.add(grad_key, norm)
 
         self.tensor_handles.append(value.register_hook(on_grad))
 

@@ -1,0 +1,100 @@
+"""Does the one-step scan predict which runs train? (issue 5: validating ``gradscope scan``)
+
+For every (variant, init, depth) that ``analyses.convergence`` trains, the scan's verdict at
+step 0 — "at risk" when any stack's bottom/top gradient ratio leaves [0.1, 10] or a site is
+non-finite (``gradscope.scan``) — is compared with the run's outcome in
+``<out>/convergence_sweep.parquet`` (converged / failed, ``gradscope.claims.run_outcome``).
+Run ``analyses.convergence`` first at the same preset; ``python -m analyses`` does.
+
+Outputs: ``scan_agreement.md`` (the table, with the counts that agree and disagree) and
+``scan_agreement.parquet``.
+
+    python -m analyses.scan_agreement --preset default --out figures
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pandas as pd
+
+from analyses import common, convergence
+from gradscope.io import atomic_write
+from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, summarize
+
+NAME = "scan_agreement"
+
+
+def scan_rows(specs, task, *, batch_size: int, seed: int, device) -> pd.DataFrame:
+    """One row per planned run: its step-0 scan numbers and verdict."""
+    rows = []
+    for spec in specs:
+        model = common.build(spec, seed, device)
+        table = common.measure(model, task, run=spec.run, quantities=["act_grad_norm", "act_norm", "ln_gain", "nonfinite"],
+                               step=0, batch_size=batch_size, device=device, seed=seed)
+        result = summarize(table)
+        rows.append({"run": spec.run, "variant": spec.model.variant, "init": spec.init, "depth": spec.depth,
+                     "encoder_bottom_top": result.decay.get("encoder"), "decoder_bottom_top": result.decay.get("decoder"),
+                     "min_ln_gain": result.smallest_gain[1] if result.smallest_gain else None,
+                     "scan": "healthy" if result.healthy else "at risk"})
+    return pd.DataFrame(rows)
+
+
+def agreement(scans: pd.DataFrame, sweep: pd.DataFrame) -> pd.DataFrame:
+    """Scan verdicts joined with outcomes; ``agree`` = (healthy and converged) or (at risk and failed)."""
+    outcome = sweep[["run", "converged"]].assign(outcome=lambda d: d.converged.map({True: "converged", False: "failed"}))
+    table = scans.merge(outcome[["run", "outcome"]], on="run", how="left")
+    table["agree"] = (table.scan == "healthy") == (table.outcome == "converged")
+    return table
+
+
+def markdown(table: pd.DataFrame, preset: str) -> str:
+    """The agreement table with its counts, as ``scan_agreement.md``."""
+    counts = pd.crosstab(table.scan, table.outcome).reindex(index=["healthy", "at risk"], columns=["converged", "failed"], fill_value=0)
+    n, agree = len(table), int(table.agree.sum())
+    lines = [
+        f"# Scan at step 0 vs. training outcome (preset {preset})", "",
+        f"Written by `python -m analyses.{NAME}`. Scan verdict: *at risk* when a stack's gradient-norm ratio "
+        f"bottom/top layer output leaves [{DECAY_VANISHING:g}, {DECAY_EXPLODING:g}] or a site is non-finite, "
+        "else *healthy*. Outcome from `analyses.convergence` (converged = finite and best validation loss "
+        "≤ 0.75 × the untrained loss).", "",
+        f"**{agree} of {n} runs agree, {n - agree} disagree.**", "",
+        "| scan \\ outcome | converged | failed |", "|---|---|---|",
+        *(f"| {scan} | {counts.loc[scan, 'converged']} | {counts.loc[scan, 'failed']} |" for scan in counts.index), "",
+        "| run | encoder bottom/top | decoder bottom/top | min LN gain | scan | outcome | agree |", "|---|---|---|---|---|---|---|",
+    ]
+    for r in table.itertuples():
+        lines.append(f"| {r.run} | {r.encoder_bottom_top:.3g} | {r.decoder_bottom_top:.3g} | "
+                     f"{r.min_ln_gain:.3g} | {r.scan} | {r.outcome} | {'yes' if r.agree else '**no**'} |")
+    return "\n".join(lines) + "\n"
+
+
+def run(args) -> pd.DataFrame | None:
+    s = convergence.settings(args.preset)
+    specs = convergence.plan(s, seed=args.seed, device=args.device)
+    with common.session(args, NAME) as device:
+        if args.dry_run:
+            print(f"[dry-run] {NAME}: would scan {len(specs)} runs and compare with {args.out / 'convergence_sweep.parquet'}")
+            return None
+        sweep_path = args.out / "convergence_sweep.parquet"
+        if not sweep_path.exists():
+            raise SystemExit(f"{NAME}: {sweep_path} not found; run `python -m analyses.convergence --preset {args.preset} "
+                             f"--out {args.out}` first")
+        task = s.preset.task(args.seed)
+        table = agreement(scan_rows(specs, task, batch_size=s.preset.batch_size, seed=args.seed, device=device),
+                          pd.read_parquet(sweep_path))
+        text = markdown(table, args.preset)
+        atomic_write(args.out / f"{NAME}.md", lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
+        common.save_plain_table(table, args.out, NAME)
+        print(text.split("\n\n")[2])
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = common.parse_args(f"python -m analyses.{NAME}", __doc__, argv)
+    run(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

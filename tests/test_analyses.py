@@ -1,0 +1,117 @@
+"""The analyses (``python -m analyses.<name>``): every one runs at ``--preset ci`` here, so CI
+runs them; bad flags are argparse errors; the ``paper`` preset plans the papers' sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+
+import pytest
+import torch
+
+import gradscope
+from analyses import ANALYSES, common
+from analyses import __main__ as run_all
+from gradscope.claims import SWEEP_COLUMNS
+
+VERDICT_LINE = re.compile(r"^\[(holds|does not hold|not measured)\] .+ \(preset ci\)", re.MULTILINE)
+TRAINED = ("cosine", "dlcl_weights", "residual_shrink", "warmup_free", "convergence")
+
+
+def module(name: str):
+    return importlib.import_module(f"analyses.{name}")
+
+
+def specs(name: str, preset: str) -> list[common.RunSpec]:
+    return module(name).plan(module(name).settings(preset))
+
+
+@pytest.mark.parametrize("name", ANALYSES)
+def test_analysis_runs_at_ci(name, tmp_path, capsys):
+    assert module(name).main(["--preset", "ci", "--out", str(tmp_path), "--no-progress", "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    lines = VERDICT_LINE.findall(printed)
+    assert lines, printed
+
+    png, pdf = (tmp_path / f"{name}.png").read_bytes(), (tmp_path / f"{name}.pdf").read_bytes()
+    assert png.startswith(b"\x89PNG") and pdf.startswith(b"%PDF")
+    table = gradscope.load(tmp_path / f"{name}.parquet")
+    assert len(table) and set(table["run"]) == {s.run for s in specs(name, "ci")}
+
+    claims_md = (tmp_path / "CLAIMS.md").read_text()
+    section = claims_md.split(f"## {name}\n", 1)[1].split("\n## ", 1)[0]
+    rows = [r for r in section.splitlines() if r.startswith("| ") and not r.startswith("| figure")]
+    assert len(rows) == len(lines)
+    assert all("| ci |" in r for r in rows)
+    assert not list(tmp_path.glob(".*.tmp")), "atomic writes leave no temporary file"
+
+    if name == "convergence":
+        import pandas as pd
+
+        sweep = pd.read_parquet(tmp_path / "convergence_sweep.parquet")
+        assert list(sweep.columns) == list(SWEEP_COLUMNS)
+        assert len(sweep) == len(specs(name, "ci"))
+    if name == "dlcl_weights":  # the figure states preset, step and masking on itself
+        mod, s = module(name), module(name).settings("ci")
+        fig = mod.figure(table, s, mod.plan(s)[0], [])
+        words = " ".join([fig._suptitle.get_text(), *(t.get_text() for t in fig.texts),
+                          *(ax.get_title() for ax in fig.axes)])
+        assert "preset ci" in words and "|w| < 0.1" in words and "step 100" in words
+
+
+BAD_FLAGS = [["--preset", "bogus"], ["--no-such-flag"], ["--threads", "0"], ["--device", "tpu"], ["--seed", "x"],
+             *([["--device", "cuda"]] if not torch.cuda.is_available() else [])]
+
+
+@pytest.mark.parametrize("name", [*ANALYSES, "__main__"])
+@pytest.mark.parametrize("argv", BAD_FLAGS)
+def test_bad_flags_exit_2(name, argv, capsys):
+    with pytest.raises(SystemExit) as err:
+        module(name).main(argv)
+    assert err.value.code == 2
+    assert "usage:" in capsys.readouterr().err
+
+
+def test_every_flag_has_help():
+    parser = common.make_parser("x", "")
+    assert all(a.help for a in parser._actions)
+
+
+@pytest.mark.parametrize("name", ANALYSES)
+def test_paper_preset_plans_the_papers_sizes(name):
+    plan = specs(name, "paper")
+    assert plan
+    for spec in plan:
+        m = spec.model
+        assert (m.d_model, m.n_heads, m.d_ff, m.dropout) == (512, 8, 2048, 0.1)
+        if spec.train is not None:
+            t = spec.train
+            assert t.steps == 50_000 and t.betas == (0.9, 0.98) and t.label_smoothing == 0.1
+            assert t.warmup == (0 if name == "warmup_free" else 4000)  # Takase 2022 Table 7: 4k of 50k
+    depths = {(s.model.n_enc, s.model.n_dec) for s in plan}
+    expected = {"grad_norms": {(18, 18), (6, 6), (30, 6)}, "ln_locations": {(18, 18)},
+                "residual_shrink": {(18, 18)}, "cosine": {(6, 6)}, "dlcl_weights": {(30, 6)},
+                "warmup_free": {(6, 6)}, "convergence": {(18, 18), (24, 24), (6, 6)}}[name]
+    assert expected <= depths
+
+
+@pytest.mark.parametrize("preset", common.PRESET_NAMES)
+@pytest.mark.parametrize("name", TRAINED)
+def test_same_hyper_parameters_for_every_run(name, preset):
+    configs = {dataclasses.astuple(s.train) for s in specs(name, preset)}
+    assert len(configs) == 1
+
+
+def test_max_steps_caps_training():
+    (spec,) = module("dlcl_weights").plan(module("dlcl_weights").settings("paper"), max_steps=20)
+    assert spec.train.steps == 20 and spec.train.warmup == 2 and spec.train.eval_every == 2
+
+
+def test_run_all_dry_run(tmp_path, capsys):
+    out = tmp_path / "never"
+    assert run_all.main(["--preset", "ci", "--out", str(out), "--dry-run", "--no-progress"]) == 0
+    printed = capsys.readouterr().out
+    assert all(f"{name}:" in printed for name in ANALYSES)
+    assert "all analyses:" in printed and "[dry-run]" in printed
+    assert not out.exists()
