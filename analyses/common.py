@@ -168,6 +168,15 @@ def _positive_int(text: str) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class Settings:
+    """What a training analysis runs at one preset: ``depth`` layers per stack, ``steps`` training steps."""
+
+    preset: Preset
+    depth: int
+    steps: int
+
+
 # --- running ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -338,6 +347,24 @@ def annotate(fig: Figure, title: str, lines: Sequence[str], verdicts: Sequence[V
     fig.suptitle(title, fontsize="large")
     footer = [*lines, *(f"[{v.status}] {v.figure}: {v.claim}" for v in verdicts)]
     fig.text(0.01, -0.01, "\n".join(footer), ha="left", va="top", fontsize="small", wrap=True)
+
+
+def publish(df: pd.DataFrame, fig: Figure, verdicts: Sequence[Verdict], out: Path, name: str) -> None:
+    """Saves ``name``'s table and figure into ``out``, prints its verdicts and updates CLAIMS.md."""
+    save_table(df, out, name)
+    save_figure(fig, out, name)
+    report(verdicts, out, name)
+
+
+def entry_point(name: str, description: str, run: Callable[[argparse.Namespace], object]) -> Callable[..., int]:
+    """The ``main(argv=None)`` of ``python -m analyses.<name>``: parse the shared flags, run, exit 0."""
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        run(parse_args(f"python -m analyses.{name}", description, argv))
+        return 0
+
+    main.__doc__ = f"Runs ``python -m analyses.{name}`` with ``argv`` (default: sys.argv)."
+    return main
 
 
 def report(verdicts: Sequence[Verdict], out: Path, analysis: str) -> None:

@@ -121,17 +121,12 @@ def run(args) -> list[claims.Verdict]:
                                            progress=not args.no_progress)[1] for spec in specs])
         sweep = summary(df, specs)
         found = verdicts(df, sweep, s)
-        common.save_table(df, args.out, NAME)
         common.save_plain_table(sweep, args.out, f"{NAME}_sweep")
-        common.save_figure(figure(df, sweep, s, specs, found), args.out, NAME)
-        common.report(found, args.out, NAME)
+        common.publish(df, figure(df, sweep, s, specs, found), found, args.out, NAME)
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = common.parse_args(f"python -m analyses.{NAME}", __doc__, argv)
-    run(args)
-    return 0
+main = common.entry_point(NAME, __doc__, run)
 
 
 if __name__ == "__main__":

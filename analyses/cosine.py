@@ -15,7 +15,6 @@ exceed Post-LN's; B2T's stay closer to Post-LN's than Pre-LN's do.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -30,13 +29,7 @@ STACKS = ("encoder", "decoder")
 STEPS = {"ci": 100, "default": 200, "paper": 50_000}
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What this analysis runs at one preset: ``depth`` layers per stack, ``steps`` training steps."""
-
-    preset: common.Preset
-    depth: int
-    steps: int
+Settings = common.Settings
 
 
 def settings(preset: str) -> Settings:
@@ -91,16 +84,11 @@ def run(args) -> list[claims.Verdict]:
                                             seed=args.seed, eval_mode=True)]
         df = common.concat(parts)
         found = verdicts(df, s)
-        common.save_table(df, args.out, NAME)
-        common.save_figure(figure(df, s, specs, found), args.out, NAME)
-        common.report(found, args.out, NAME)
+        common.publish(df, figure(df, s, specs, found), found, args.out, NAME)
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = common.parse_args(f"python -m analyses.{NAME}", __doc__, argv)
-    run(args)
-    return 0
+main = common.entry_point(NAME, __doc__, run)
 
 
 if __name__ == "__main__":

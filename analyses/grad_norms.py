@@ -130,16 +130,11 @@ def run(args) -> list[claims.Verdict]:
                                 progress=False, quantities=QUANTITIES)[1] for spec in specs]
         df = common.concat(parts)
         found = verdicts(df, s)
-        common.save_table(df, args.out, NAME)
-        common.save_figure(figure(df, s, found), args.out, NAME)
-        common.report(found, args.out, NAME)
+        common.publish(df, figure(df, s, found), found, args.out, NAME)
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = common.parse_args(f"python -m analyses.{NAME}", __doc__, argv)
-    run(args)
-    return 0
+main = common.entry_point(NAME, __doc__, run)
 
 
 if __name__ == "__main__":

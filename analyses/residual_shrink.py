@@ -16,7 +16,6 @@ w/σ is closer to 1 than the xavier run's (at init and after training).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import pandas as pd
@@ -33,13 +32,7 @@ RECORDINGS = 4
 STEPS = {"ci": 100, "default": 100, "paper": 50_000}
 
 
-@dataclass(frozen=True)
-class Settings:
-    """What this analysis runs at one preset: ``depth`` layers per stack, ``steps`` training steps."""
-
-    preset: common.Preset
-    depth: int
-    steps: int
+Settings = common.Settings
 
 
 def settings(preset: str) -> Settings:
@@ -113,16 +106,11 @@ def run(args) -> list[claims.Verdict]:
                                            record_every=max(1, spec.train.steps // RECORDINGS))[1]
                             for spec in specs])
         found = verdicts(df, s)
-        common.save_table(df, args.out, NAME)
-        common.save_figure(figure(df, s, specs, found), args.out, NAME)
-        common.report(found, args.out, NAME)
+        common.publish(df, figure(df, s, specs, found), found, args.out, NAME)
     return found
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = common.parse_args(f"python -m analyses.{NAME}", __doc__, argv)
-    run(args)
-    return 0
+main = common.entry_point(NAME, __doc__, run)
 
 
 if __name__ == "__main__":

@@ -90,10 +90,7 @@ def run(args) -> pd.DataFrame | None:
     return table
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = common.parse_args(f"python -m analyses.{NAME}", __doc__, argv)
-    run(args)
-    return 0
+main = common.entry_point(NAME, __doc__, run)
 
 
 if __name__ == "__main__":

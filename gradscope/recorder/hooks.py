@@ -102,7 +102,6 @@ class StepHooks:
         self.tensors: dict[tuple[int, int], dict] = {}  # (micro, id(tensor)) -> shared norm and grad keys
         self.active = True
         self._cosine_site = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
-        self._norm_by_site_in = {n.site_in: n for n in layout.norms}
         self.forward_stats = bool(wants & {"act_norm", "nonfinite"})
         self.grad_stats = bool(wants & {"act_grad_norm", "nonfinite"})
 

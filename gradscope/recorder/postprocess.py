@@ -11,7 +11,6 @@ import numpy as np
 
 from gradscope.recorder.layout import Layout
 
-GRADIENT_QUANTITIES = ("act_grad_norm",)
 
 
 def finish_rows(keys: list, values: np.ndarray, layout: Layout, wants: set[str], *, micro_steps: int,
