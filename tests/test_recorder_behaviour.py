@@ -3,6 +3,7 @@ accumulation, AMP GradScaler and activation checkpointing."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -193,6 +194,42 @@ def test_activation_checkpointing_counts_each_site_once(use_reentrant):
     assert df[df.quantity == "ln_w_over_sigma"].site.is_unique
     for name, value in ref.items():
         assert_rel(grads[grads.site == name].value.item(), value, what=name)
+
+
+@pytest.mark.parametrize("use_reentrant", [False, True])
+def test_w_over_sigma_under_checkpointing_equals_plain(use_reentrant):
+    """w/σ is read from LayerNorm's saved 1/σ only outside saved-tensor hooks; under
+    checkpointing it is computed from the input instead (reading a saved tensor there would
+    recompute the layer), and the values agree."""
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    norms = [m for m in model.modules() if isinstance(m, torch.nn.LayerNorm)]
+    with torch.no_grad():
+        for m in norms:
+            m.weight.uniform_(0.5, 1.5)
+    calls = []
+    for m in norms:
+        m.register_forward_hook(lambda *_: calls.append(1))
+    inputs = batch(model.config)
+    target = (inputs[-1] * 7 + 3) % model.config.vocab
+
+    def w_sigma(net, recorded=True):
+        calls.clear()
+        rec = gradscope.Recorder(model, quantities=["ln_w_over_sigma"])
+        with rec.step(0) if recorded else contextlib.nullcontext():
+            F.cross_entropy(net(*inputs).flatten(0, 1), target.flatten()).backward()
+        model.zero_grad()
+        got = rec.frame()
+        return dict(zip(got.site, got.value)), len(calls)
+
+    plain, _ = w_sigma(model)
+    wrapped = CheckpointedLM(model, use_reentrant)  # wraps the layers in place, once
+    checkpointed, n_recorded = w_sigma(wrapped)
+    _, n_unrecorded = w_sigma(wrapped, recorded=False)
+    assert n_recorded == n_unrecorded, "recording made checkpointing recompute more"
+    assert plain.keys() == checkpointed.keys() and len(plain) > 2
+    for site, value in plain.items():
+        assert_rel(checkpointed[site], value, rel=1e-5, what=site)
 
 
 def test_recording_memory_is_flat(tmp_path):

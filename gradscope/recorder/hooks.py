@@ -21,6 +21,7 @@ for reentrant checkpointing, whose first pass runs under ``no_grad``). Nothing c
 
 from __future__ import annotations
 
+import collections
 import weakref
 from collections.abc import Callable
 
@@ -40,21 +41,35 @@ def _norm(t: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
 
 
-def w_over_sigma(module: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor | None = None) -> torch.Tensor | None:
     """mean over tokens and features of w_f/σ_t, σ_t what the norm divides token t by (Xu 2020 Table 2).
 
     LayerNorm: σ = sqrt(Var(x) + eps); RMSNorm: σ = sqrt(mean(x²) + eps). Other norms: None.
+    When ``y`` (the LayerNorm's output) carries PyTorch's fused LayerNorm node, 1/σ is the
+    ``rstd`` that node saved for backward: read, not recomputed. It is not read while a
+    saved-tensor hook is active (non-reentrant checkpointing, offloading), where reading a
+    saved tensor could unpack or recompute it.
     """
     weight = getattr(module, "weight", None)
     if weight is None or not isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return None
+    w_mean = weight.detach().float().mean()
+    node = getattr(y, "grad_fn", None)
+    if isinstance(module, nn.LayerNorm) and type(node).__name__ in FUSED_NORM_NODES and not _saved_tensor_hooks_active():
+        return w_mean * node._saved_result2.float().mean()  # native_layer_norm's rstd = 1/sqrt(Var + eps)
     x = x.detach().float()
     if isinstance(module, nn.LayerNorm):
         sigma = torch.sqrt(x.var(dim=-1, unbiased=False) + module.eps)
     else:
         eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
         sigma = torch.sqrt(x.pow(2).mean(dim=-1) + eps)
-    return weight.detach().float().mean() * sigma.reciprocal().mean()
+    return w_mean * sigma.reciprocal().mean()
+
+
+def _saved_tensor_hooks_active() -> bool:
+    """Whether a ``saved_tensors_hooks`` context is open (True when it cannot be told)."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top is None or top(True) is not None
 
 
 def _first_tensor(value) -> torch.Tensor | None:
@@ -96,12 +111,14 @@ class StepHooks:
         self.hooked: set[tuple[int, str]] = set()
         self.handles: list = []
         self.tensor_handles: list = []
+        self.recent_grads: collections.deque = collections.deque(maxlen=4)
         self.masks: dict[str, torch.Tensor | None] = {}
         self.samples: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # stack -> (idx, weights)
         self.cosine_rows: dict[str, dict[int, torch.Tensor]] = {}
         self.tensors: dict[tuple[int, int], dict] = {}  # (micro, id(tensor)) -> shared norm and grad keys
         self.active = True
         self._cosine_site = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
+        self.wants_cosine = "cosine" in wants
         self.forward_stats = bool(wants & {"act_norm", "nonfinite"})
         self.grad_stats = bool(wants & {"act_grad_norm", "nonfinite"})
 
@@ -116,7 +133,7 @@ class StepHooks:
                 self.handles.append(probe.module.register_forward_pre_hook(self._input_hook(probe), with_kwargs=True))
         if "ln_w_over_sigma" in self.wants:
             for norm in self.layout.norms:
-                self.handles.append(norm.module.register_forward_pre_hook(self._w_sigma_hook(norm)))
+                self.handles.append(norm.module.register_forward_hook(self._w_sigma_hook(norm)))
         if "ln_gain" in self.wants:
             for norm in self.layout.norms:
                 self.handles.append(norm.module.register_forward_hook(self._ln_gain_hook(norm)))
@@ -128,6 +145,7 @@ class StepHooks:
             h.remove()
         self.handles.clear()
         self.tensor_handles.clear()
+        self.recent_grads.clear()
 
     # -- hooks ---------------------------------------------------------------------------
     def _root_pre(self, module, args, kwargs):
@@ -158,24 +176,37 @@ class StepHooks:
                 if entry["norm"] is None:
                     entry["norm"] = _norm(value)
                 self.buf.add((self.micro, probe.stack, probe.layer, probe.name, "act_norm", None), entry["norm"])
-            if probe.name in self._cosine_site and self.micro == 0 and "cosine" in self.wants:
+            if self.micro == 0 and self.wants_cosine and probe.name in self._cosine_site:
                 self._capture_cosine(probe.name, value)
-        if not (self.grad_stats and value.requires_grad) or key in self.hooked:
-            return
-        self.hooked.add(key)
-        entry["grad_keys"].append((self.micro, probe.stack, probe.layer, probe.name, "act_grad_norm", None))
+        if self.grad_stats and value.requires_grad and key not in self.hooked:
+            self.hooked.add(key)
+            self._want_grad(entry, value, (self.micro, probe.stack, probe.layer, probe.name, "act_grad_norm", None))
+
+    def _want_grad(self, entry: dict, value: torch.Tensor, key) -> None:
+        """Records ‖∂loss/∂value‖ under ``key``; one norm and one hook per tensor, whatever
+        the number of keys (sites, a norm's ``__ln_out__``) that ask for it."""
+        entry["grad_keys"].append(key)
         if entry["hooked"]:
             return
         entry["hooked"] = True
-        keys = entry["grad_keys"]  # later sites on the same tensor join this list before backward
+        keys = entry["grad_keys"]  # later keys on the same tensor join this list before backward
 
         def on_grad(grad: torch.Tensor) -> None:
             if self.active:
-                norm = _norm(grad)
-                for grad_key in keys:
-                    self.buf.add(grad_key, norm)
+                self.buf.add_shared(keys, self._grad_norm(grad))
 
         self.tensor_handles.append(value.register_hook(on_grad))
+
+    def _grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
+        """‖grad‖, reusing the norm when backward hands the very same gradient tensor to two
+        hooks in a row (a residual ``sum`` and its ``branch``; a Post-LN ``sum`` and its norm's
+        input gradient). The last few gradients are held, so their memory is not reused."""
+        for seen, version, norm in self.recent_grads:
+            if seen is grad and seen._version == version:
+                return norm
+        norm = _norm(grad)
+        self.recent_grads.append((grad, grad._version, norm))
+        return norm
 
     def _output_hook(self, probe: Probe):
         def hook(module, args, output):
@@ -194,7 +225,8 @@ class StepHooks:
         return hook
 
     def _ln_gain_hook(self, norm: NormProbe):
-        """Forward hook on a norm: on its output gradient, backpropagate through the norm alone."""
+        """Forward hook on a norm: ‖grad in‖ through the norm alone, and ‖grad out‖ (shared
+        with a site on the norm's output when there is one)."""
 
         def hook(module, args, output):
             x, y = _input_tensor(args, {}), _first_tensor(output)
@@ -202,14 +234,14 @@ class StepHooks:
             if not self.active or x is None or y is None or not y.requires_grad or key in self.hooked:
                 return
             self.hooked.add(key)
-            keys = [(self.micro, norm.stack, norm.layer, norm.name, q, None) for q in ("__ln_in__", "__ln_out__")]
+            key_in = (self.micro, norm.stack, norm.layer, norm.name, "__ln_in__", None)
+            self._want_grad(self._shared(y), y, (self.micro, norm.stack, norm.layer, norm.name, "__ln_out__", None))
             node = y.grad_fn
             if type(node).__name__ in FUSED_NORM_NODES:  # its grad_inputs[0] is the gradient through the norm alone
 
                 def on_node(grad_inputs, grad_outputs) -> None:
                     if self.active and grad_inputs[0] is not None:
-                        self.buf.add(keys[0], _norm(grad_inputs[0]))
-                        self.buf.add(keys[1], _norm(grad_outputs[0]))
+                        self.buf.add(key_in, self._grad_norm(grad_inputs[0]))
 
                 self.tensor_handles.append(node.register_hook(on_node))
                 return
@@ -221,22 +253,23 @@ class StepHooks:
                 with torch.enable_grad():
                     xx = x.requires_grad_()
                     (grad_in,) = torch.autograd.grad(_first_tensor(module.forward(xx)), xx, grad)
-                self.buf.add(keys[0], _norm(grad_in))
-                self.buf.add(keys[1], _norm(grad))
+                self.buf.add(key_in, _norm(grad_in))
 
             self.tensor_handles.append(y.register_hook(on_grad))
 
         return hook
 
     def _w_sigma_hook(self, norm: NormProbe):
-        def hook(module, args):
+        """Forward hook on a norm: w/σ, σ read from LayerNorm's saved 1/σ when autograd kept it."""
+
+        def hook(module, args, output):
             if not self.active or not args or not isinstance(args[0], torch.Tensor):
                 return None
             key = (self.micro, f"wsig:{norm.name}")
             if key in self.fired:
                 return None
             self.fired.add(key)
-            value = w_over_sigma(module, args[0])
+            value = w_over_sigma(module, args[0], _first_tensor(output))
             if value is not None:
                 self.buf.add((self.micro, norm.stack, norm.layer, norm.name, "ln_w_over_sigma", None), value)
             return None

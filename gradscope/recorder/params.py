@@ -39,12 +39,21 @@ class ParamGroups:
                 membership[gi, index[pname]] = 1.0
         self._membership = membership
         self._on: dict[torch.device, torch.Tensor] = {}
+        self._slots = [_owner(model, n) for n in self.names]  # (module, attribute) per parameter
 
     @property
     def params(self) -> list[nn.Parameter]:
-        """The model's parameters now, in ``self.names`` order (read live: ``fully_shard``
-        replaces parameter objects, possibly after the recorder was built)."""
-        return [p for _, p in self.model.named_parameters()]
+        """The model's parameters now, in ``self.names`` order.
+
+        Read live from each owning module's ``_parameters`` (``fully_shard`` replaces
+        parameter objects, possibly after the recorder was built), without walking the
+        module tree every step; a model whose parameters moved elsewhere is walked again.
+        """
+        try:
+            return [module._parameters[attr] for module, attr in self._slots]
+        except KeyError:
+            self._slots = [_owner(self.model, n) for n in self.names]
+            return [p for _, p in self.model.named_parameters()]
 
     def membership(self, device: torch.device) -> torch.Tensor:
         """The (groups × params) 0/1 matrix on ``device`` (cached)."""
@@ -54,15 +63,19 @@ class ParamGroups:
 
     def squared_norms(self, tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
         """Per-parameter ‖t‖² (0 where t is None), as one float32 vector on the tensors' device."""
-        present = [(i, t) for i, t in enumerate(tensors) if t is not None]
+        present = [t for t in tensors if t is not None]
         if not present:
             return None
-        device = present[0][1].device
-        norms = torch._foreach_norm([local(t) for _, t in present])
-        sq = torch.zeros(len(tensors), device=device)
-        idx = torch.tensor([i for i, _ in present], device=device)
-        sq[idx] = torch.stack([n.float() for n in norms]).to(device) ** 2
-        if any(is_dtensor(t) for _, t in present):
+        sharded = any(is_dtensor(t) for t in present)
+        norms = torch._foreach_norm([local(t) for t in present] if sharded else present)
+        device = norms[0].device
+        stacked = torch.stack(norms if len({n.dtype for n in norms}) == 1 else [n.float() for n in norms]).float() ** 2
+        if len(present) == len(tensors):
+            sq = stacked
+        else:
+            sq = torch.zeros(len(tensors), device=device)
+            sq[torch.tensor([i for i, t in enumerate(tensors) if t is not None], device=device)] = stacked
+        if sharded:
             from gradscope.distributed import reduce_squared_norms
 
             sq = reduce_squared_norms(tensors, sq)
@@ -78,8 +91,16 @@ class ParamGroups:
         return [p.grad for p in self.params]
 
 
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    """The module holding parameter ``name`` and its attribute name there."""
+    prefix, _, attr = name.rpartition(".")
+    return (model.get_submodule(prefix) if prefix else model), attr
+
+
 def is_dtensor(t: torch.Tensor) -> bool:
     """Whether ``t`` is a DTensor (duck-typed, so ``torch.distributed.tensor`` is never imported here)."""
+    if type(t) in (torch.Tensor, nn.Parameter):
+        return False
     return callable(getattr(t, "to_local", None)) and hasattr(t, "placements")
 
 

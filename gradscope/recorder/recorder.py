@@ -209,16 +209,18 @@ class Recorder:
         Tensors stay on the device until the step's single host transfer. Outside an open
         step, ``step`` must be given and the value is stored at once.
         """
-        value = value.detach().float().reshape(()) if isinstance(value, torch.Tensor) else torch.tensor(float(value))
         key = (-1, "", None, "", quantity, None)
         if self._buffer is not None and step in (None, self._step):
-            self._buffer.add(key, value)
+            if isinstance(value, torch.Tensor):
+                self._buffer.add(key, value.detach().float().reshape(()))
+            else:
+                self._buffer.add_float(key, value)
             return
         if step is None:
             if self._step is None:
                 raise ValueError("Recorder.log: no open step; pass step=")
             return  # the open step is not recorded: nothing to log
-        self._store.append(step, [key], np.array([value.item()]))
+        self._store.append(step, [key], np.array([float(value)]))
 
     # -- end of step ---------------------------------------------------------------------
     def _finish(self, step: int, wants: set[str]) -> None:
@@ -238,9 +240,9 @@ class Recorder:
                 buf.add_matrix(-1, name.split(".")[0] if name.startswith(("encoder", "decoder")) else "", name, "dlcl_weight", mixer.mixing_weights())
         if "scalenorm_g" in wants:
             for norm, g in scalenorm_gains(self.layout):
-                buf.add((-1, norm.stack, norm.layer, norm.name, "scalenorm_g", None), g)
+                buf.add((-1, norm.stack, norm.layer, norm.name, "scalenorm_g", None), g.float().reshape(()))
         if "lr" in wants and self._lr_from_optimizer:
-            buf.add((-1, "", None, "", "lr", None), torch.tensor(float(self.optimizer.param_groups[0]["lr"])))
+            buf.add_float((-1, "", None, "", "lr", None), float(self.optimizer.param_groups[0]["lr"]))
         keys, values = buf.to_host()  # the one host transfer of this step
         keys, values = finish_rows(keys, values, self.layout, wants, micro_steps=hooks.micro + 1, params_unscaled=self._params_unscaled())
         self._store.append(step, keys, values)

@@ -21,21 +21,39 @@ Key = tuple[int, str, "int | None", str, str, "int | None"]
 
 @dataclass
 class StepBuffer:
-    """Device values and their keys for one recorded step."""
+    """Device values and their keys for one recorded step.
+
+    Hooks append 0-d device tensors; a value several keys share (one tensor seen by several
+    sites) is stored once. ``to_host`` stacks them, with the vectors and matrices, into one
+    device vector and moves it to the host in one transfer.
+    """
 
     keys: list[Key] = field(default_factory=list)
-    values: list[torch.Tensor] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)  # row -> index into scalars
+    scalars: list[torch.Tensor] = field(default_factory=list)
+    vectors: list[tuple[list[Key], torch.Tensor]] = field(default_factory=list)
     matrices: list[tuple[int, str, str, str, torch.Tensor]] = field(default_factory=list)
+    host: list[tuple[Key, float]] = field(default_factory=list)
 
     def add(self, key: Key, value: torch.Tensor) -> None:
-        """Appends one 0-d tensor (kept on its device)."""
+        """Appends one 0-d float32 tensor (kept on its device)."""
         self.keys.append(key)
-        self.values.append(value.reshape(1))
+        self.slots.append(len(self.scalars))
+        self.scalars.append(value)
+
+    def add_shared(self, keys: list[Key], value: torch.Tensor) -> None:
+        """Appends one 0-d float32 tensor under several keys."""
+        self.keys.extend(keys)
+        self.slots.extend([len(self.scalars)] * len(keys))
+        self.scalars.append(value)
+
+    def add_float(self, key: Key, value: float) -> None:
+        """Appends a value already on the host."""
+        self.host.append((key, float(value)))
 
     def add_many(self, keys: list[Key], values: torch.Tensor) -> None:
         """Appends a 1-d tensor of values, one per key."""
-        self.keys.extend(keys)
-        self.values.append(values.reshape(-1))
+        self.vectors.append((keys, values.detach().reshape(-1)))
 
     def add_matrix(self, micro: int, stack: str, site: str, quantity: str, matrix: torch.Tensor) -> None:
         """Appends a matrix quantity; row i, column j become (layer=i, layer_j=j)."""
@@ -43,16 +61,21 @@ class StepBuffer:
 
     def to_host(self) -> tuple[list[Key], np.ndarray]:
         """Moves everything to the host in one transfer; returns (keys, float64 values)."""
-        parts = [torch.cat([v.detach().float() for v in self.values])] if self.values else []
+        parts = [torch.stack(self.scalars).float()] if self.scalars else []
         keys = list(self.keys)
+        for vector_keys, values in self.vectors:
+            parts.append(values.float())
+            keys += vector_keys
         for micro, stack, site, quantity, m in self.matrices:
             rows, cols = m.shape
             parts.append(m.float().reshape(-1))
             keys += [(micro, stack, i, site, quantity, j) for i in range(rows) for j in range(cols)]
-        if not parts:
-            return [], np.zeros(0)
-        device_values = torch.cat([p.to(parts[0].device) for p in parts])
-        return keys, device_values.cpu().double().numpy()
+        flat = torch.cat([p.to(parts[0].device) for p in parts]).cpu().double().numpy() if parts else np.zeros(0)
+        n_scalars = len(self.scalars)
+        values = np.concatenate([flat[np.asarray(self.slots, dtype=np.int64)], flat[n_scalars:],
+                                 np.array([v for _, v in self.host], dtype=np.float64)])
+        keys += [k for k, _ in self.host]
+        return keys, values
 
 
 class RowStore:
