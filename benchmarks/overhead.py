@@ -7,6 +7,7 @@ slow drifts of a shared machine cancel. Run it on a quiet machine and say so.
 
     python -m benchmarks.overhead                      # 6+6, 12+12 and 24+24 layers, d=256
     python -m benchmarks.overhead --depths 12 --repeats 30 --device cuda
+    python -m benchmarks.overhead --depths 12 --breakdown --only gradscope   # cost per quantity
 
 Methods: gradscope with default quantities (norms), gradscope with all quantities (cosine
 and update ratio every 10 steps), a naive loop calling ``p.grad.norm().item()`` per
@@ -61,7 +62,7 @@ def plain(model, opt, batch) -> Callable[[int], None]:
     return step
 
 
-def with_recorder(quantities: str) -> Callable:
+def with_recorder(quantities: str | list[str]) -> Callable:
     def setup(model, opt, batch):
         rec = gradscope.Recorder(model, quantities=quantities, optimizer=opt, slow_every=10)
 
@@ -123,6 +124,9 @@ METHODS: dict[str, Callable] = {
     "wandb.watch(log='gradients', log_freq=1) offline": wandb_watch,
     "lightning grad_norm": lightning_grad_norm,
 }
+
+
+BREAKDOWN = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "ln_w_over_sigma", "nonfinite")
 
 
 def timed(step: Callable[[int], None], i: int, device: str) -> float:
@@ -188,7 +192,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
     parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu", help="where to run (default: cuda if available)")
     parser.add_argument("--only", nargs="*", default=None, help="substrings of method names to run (default: all)")
+    parser.add_argument("--breakdown", action="store_true", help="also time gradscope with one quantity at a time (where the cost is)")
     args = parser.parse_args(argv)
+    if args.breakdown:
+        for quantity in BREAKDOWN:
+            METHODS[f"gradscope {quantity} only"] = with_recorder([quantity])
     print(f"machine: {machine()}")
     print(f"command: python -m benchmarks.overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"model: pre_ln encoder-decoder, d={args.d_model}, batch {args.batch_size}x{args.length} tokens, Adam; {args.repeats} pairs after {args.warmup} warm-up steps\n")

@@ -47,11 +47,15 @@ def test_act_grad_norm_and_ln_gain_equal_autograd(variant, arch):
     df = rec.frame()
     model.zero_grad()
     sites = {n: (m, "output") for n, m in model.named_modules() if isinstance(m, gradscope.Site)}
-    ref, _ = site_gradients(model, sites, lambda: loss_fn(model, inputs))
+    ref, values = site_gradients(model, sites, lambda: loss_fn(model, inputs))
     got = recorded(df, "act_grad_norm")
     assert set(got) == set(ref)
     for name, value in ref.items():
         assert_rel(got[name], value, what=name)
+    forward = recorded(df, "act_norm")
+    assert set(forward) == set(values)
+    for name, value in values.items():
+        assert_rel(forward[name], value.detach().double().norm().item(), what=f"act_norm {name}")
     gains = recorded(df, "ln_gain")
     norms = {n: m.inner for n, m in model.named_modules() if isinstance(m, gradscope.SiteNorm)}
     assert set(gains) == set(norms)

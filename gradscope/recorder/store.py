@@ -61,7 +61,7 @@ class StepBuffer:
 
     def to_host(self) -> tuple[list[Key], np.ndarray]:
         """Moves everything to the host in one transfer; returns (keys, float64 values)."""
-        parts = [torch.stack(self.scalars).float()] if self.scalars else []
+        parts = [_stack_across_devices(self.scalars)] if self.scalars else []
         keys = list(self.keys)
         for vector_keys, values in self.vectors:
             parts.append(values.float())
@@ -76,6 +76,21 @@ class StepBuffer:
                                  np.array([v for _, v in self.host], dtype=np.float64)])
         keys += [k for k, _ in self.host]
         return keys, values
+
+
+def _stack_across_devices(scalars: list[torch.Tensor]) -> torch.Tensor:
+    """The 0-d values as one float32 vector on the first value's device (a model split over
+    several devices gives values on each; they are moved once, as one vector per device)."""
+    device = scalars[0].device
+    if all(s.device == device for s in scalars):
+        return torch.stack(scalars).float()
+    by_device: dict[torch.device, list[int]] = {}
+    for i, s in enumerate(scalars):
+        by_device.setdefault(s.device, []).append(i)
+    out = torch.empty(len(scalars), device=device)
+    for dev, idx in by_device.items():
+        out[torch.tensor(idx, device=device)] = torch.stack([scalars[i] for i in idx]).float().to(device)
+    return out
 
 
 class RowStore:
