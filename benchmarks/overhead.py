@@ -10,7 +10,8 @@ slow drifts of a shared machine cancel. Run it on a quiet machine and say so.
     python -m benchmarks.overhead --depths 12 --breakdown --only gradscope   # cost per quantity
 
 Methods: gradscope with default quantities (norms), gradscope with all quantities (cosine
-and update ratio every 10 steps), a naive loop calling ``p.grad.norm().item()`` per
+and update ratio every 10 steps), bare hooks taking one norm per site value and gradient with
+no bookkeeping (the floor for activation norms), a naive loop calling ``p.grad.norm().item()`` per
 parameter, ``wandb.watch(model, log="gradients", log_freq=1)`` offline, and Lightning's
 ``grad_norm`` utility (the last two only when installed: ``pip install -e ".[bench]"``).
 """
@@ -86,6 +87,32 @@ def naive_item(model, opt, batch):
     return step
 
 
+def bare_site_norms(model, opt, batch):
+    """The floor: a forward hook per distinct site value and a tensor hook per gradient, each
+    taking one ``vector_norm`` into a list, with no bookkeeping at all (what any recorder of
+    these quantities has to do)."""
+    sites = [m for m in model.modules() if isinstance(m, gradscope.Site)]
+
+    def step(i):
+        out: list[torch.Tensor] = []
+        seen: set[int] = set()
+
+        def on_value(module, args, value):
+            if id(value) not in seen:
+                seen.add(id(value))
+                out.append(torch.linalg.vector_norm(value.detach()))
+                value.register_hook(lambda g: out.append(torch.linalg.vector_norm(g)))
+
+        handles = [m.register_forward_hook(on_value) for m in sites]
+        loss_of(model, batch).backward()
+        for h in handles:
+            h.remove()
+        torch.stack(out).tolist()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 RUNS: list = []  # open wandb runs, finished after their method is measured
 
 
@@ -120,6 +147,7 @@ def lightning_grad_norm(model, opt, batch):
 METHODS: dict[str, Callable] = {
     "gradscope norms (default)": with_recorder("default"),
     "gradscope all (cosine every 10)": with_recorder("all"),
+    "bare hooks: one vector_norm per site value and gradient": bare_site_norms,
     "naive p.grad.norm().item() loop": naive_item,
     "wandb.watch(log='gradients', log_freq=1) offline": wandb_watch,
     "lightning grad_norm": lightning_grad_norm,

@@ -11,6 +11,8 @@ LayerNorm, a hook on the norm's own autograd node reads it (``grad_inputs[0]``) 
 For other norms (RMSNorm, ScaleNorm, HuggingFace's T5LayerNorm), when the gradient of the
 norm's output arrives, the hook takes the vector-Jacobian product of the norm at its saved
 input with that gradient (one extra small backward through the norm, no ``.grad`` written).
+The norm of the output gradient is shared with any site on the norm's output, and
+``ln_w_over_sigma`` reads 1/σ from the ``rstd`` the fused LayerNorm saved for backward.
 
 Activation checkpointing re-runs forward hooks during backward. Forward statistics are
 taken once per (micro-step, site); a gradient hook is registered once, on the first value
