@@ -58,13 +58,16 @@ def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor | None = No
     w_mean = weight.detach().float().mean()
     node = getattr(y, "grad_fn", None)
     if isinstance(module, nn.LayerNorm) and type(node).__name__ in FUSED_NORM_NODES and not _saved_tensor_hooks_active():
-        return w_mean * node._saved_result2.float().mean()  # native_layer_norm's rstd = 1/sqrt(Var + eps)
+        rstd = node._saved_result2  # native_layer_norm's rstd = 1/sqrt(Var + eps), per token
+        if rstd.dtype in (torch.float32, torch.float64):  # a bf16/fp16 rstd (CPU, low-precision input) is recomputed
+            return w_mean * rstd.float().mean()
+    dims = tuple(range(-len(module.normalized_shape), 0))  # σ over the normalised dimensions, as the norm takes it
     x = x.detach().float()
     if isinstance(module, nn.LayerNorm):
-        sigma = torch.sqrt(x.var(dim=-1, unbiased=False) + module.eps)
+        sigma = torch.sqrt(x.var(dim=dims, unbiased=False) + module.eps)
     else:
         eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-        sigma = torch.sqrt(x.pow(2).mean(dim=-1) + eps)
+        sigma = torch.sqrt(x.pow(2).mean(dim=dims) + eps)
     return w_mean * sigma.reciprocal().mean()
 
 
@@ -113,7 +116,7 @@ class StepHooks:
         self.hooked: set[tuple[int, str]] = set()
         self.handles: list = []
         self.tensor_handles: list = []
-        self.recent_grads: collections.deque = collections.deque(maxlen=4)
+        self.recent_grads: collections.deque = collections.deque(maxlen=2)
         self.masks: dict[str, torch.Tensor | None] = {}
         self.samples: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # stack -> (idx, weights)
         self.cosine_rows: dict[str, dict[int, torch.Tensor]] = {}
@@ -154,6 +157,7 @@ class StepHooks:
         if not self.active:
             return None
         self.micro += 1
+        self.recent_grads.clear()  # no gradient of the last backward is held through this forward
         if "cosine" in self.wants and self.micro == 0:
             self.masks = self.token_masks(args, kwargs)
         return None
@@ -202,7 +206,8 @@ class StepHooks:
     def _grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
         """‖grad‖, reusing the norm when backward hands the very same gradient tensor to two
         hooks in a row (a residual ``sum`` and its ``branch``; a Post-LN ``sum`` and its norm's
-        input gradient). The last few gradients are held, so their memory is not reused."""
+        input gradient). The last two gradients are held, so their memory is not reused
+        while compared; they are let go at the next forward and at the end of the step."""
         for seen, version, norm in self.recent_grads:
             if seen is grad and seen._version == version:
                 return norm

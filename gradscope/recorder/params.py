@@ -39,21 +39,25 @@ class ParamGroups:
                 membership[gi, index[pname]] = 1.0
         self._membership = membership
         self._on: dict[torch.device, torch.Tensor] = {}
-        self._slots = [_owner(model, n) for n in self.names]  # (module, attribute) per parameter
 
     @property
     def params(self) -> list[nn.Parameter]:
         """The model's parameters now, in ``self.names`` order.
 
-        Read live from each owning module's ``_parameters`` (``fully_shard`` replaces
-        parameter objects, possibly after the recorder was built), without walking the
-        module tree every step; a model whose parameters moved elsewhere is walked again.
+        Read live (``fully_shard`` replaces parameter objects, and a module swapped in after
+        the recorder was built brings new ones). A model whose parameter names changed
+        (parameters added, removed or newly tied) cannot be mapped to the groups found at
+        construction, and raises.
         """
-        try:
-            return [module._parameters[attr] for module, attr in self._slots]
-        except KeyError:
-            self._slots = [_owner(self.model, n) for n in self.names]
-            return [p for _, p in self.model.named_parameters()]
+        named = list(self.model.named_parameters())
+        if len(named) != len(self.names) or any(n != want for (n, _), want in zip(named, self.names)):
+            now = [n for n, _ in named]
+            diff = next((f"{a!r} vs {b!r}" for a, b in zip(now, self.names) if a != b), "a different count")
+            raise RuntimeError(
+                f"Recorder: the model's parameters changed since the Recorder was built ({len(now)} now, "
+                f"{len(self.names)} then; first difference: {diff}); build a new Recorder after changing the model"
+            )
+        return [p for _, p in named]
 
     def membership(self, device: torch.device) -> torch.Tensor:
         """The (groups × params) 0/1 matrix on ``device`` (cached)."""
@@ -89,12 +93,6 @@ class ParamGroups:
     def grads(self) -> list[torch.Tensor | None]:
         """Current ``p.grad`` of every parameter."""
         return [p.grad for p in self.params]
-
-
-def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
-    """The module holding parameter ``name`` and its attribute name there."""
-    prefix, _, attr = name.rpartition(".")
-    return (model.get_submodule(prefix) if prefix else model), attr
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

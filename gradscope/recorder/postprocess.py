@@ -41,7 +41,7 @@ def finish_rows(keys: list, values: np.ndarray, layout: Layout, wants: set[str],
     out: list[float] = []
     per_site: dict[tuple, list[float]] = {}  # (quantity, site) -> per-micro values
     per_micro_mean: dict[tuple, list[float]] = {}  # forward statistics averaged over micro-steps
-    gains: dict[tuple, list[float]] = {}  # ("__ln_in__" | "__ln_out__", norm) -> per-micro values
+    gains: dict[tuple, dict[int, float]] = {}  # ("__ln_in__" | "__ln_out__", norm) -> micro -> value
     position: dict[str, tuple] = {}
     n_fwd = n_bwd = 0
     for k, v in zip(keys, values):
@@ -49,7 +49,7 @@ def finish_rows(keys: list, values: np.ndarray, layout: Layout, wants: set[str],
         if quantity == "__scale__":
             continue
         if quantity in ("__ln_in__", "__ln_out__"):
-            gains.setdefault((quantity, site), []).append(v)
+            gains.setdefault((quantity, site), {})[micro] = v
             continue
         if quantity in ("act_norm", "act_grad_norm"):
             if "nonfinite" in wants and not math.isfinite(v):
@@ -83,15 +83,16 @@ def finish_rows(keys: list, values: np.ndarray, layout: Layout, wants: set[str],
             out.append(value)
     if "ln_gain" in wants:
         for norm in layout.norms:
-            g_in, g_out = gains.get(("__ln_in__", norm.name)), gains.get(("__ln_out__", norm.name))
-            if not g_in or not g_out or len(g_in) != len(g_out):
+            g_in, g_out = gains.get(("__ln_in__", norm.name), {}), gains.get(("__ln_out__", norm.name), {})
+            micros = sorted(g_in.keys() & g_out.keys())  # micro-steps whose backward reached this norm
+            if not micros:
                 continue
             if micro_steps > 1:
-                for m, (a, b) in enumerate(zip(g_in, g_out)):
+                for m in micros:
                     rows.append((m, norm.stack, norm.layer, norm.name, "ln_gain", None))
-                    out.append(_ratio(a, b))
+                    out.append(_ratio(g_in[m], g_out[m]))
             rows.append((-1, norm.stack, norm.layer, norm.name, "ln_gain", None))
-            out.append(_ratio(_rss(g_in), _rss(g_out)))
+            out.append(_ratio(_rss([g_in[m] for m in micros]), _rss([g_out[m] for m in micros])))
     return rows, np.asarray(out, dtype=np.float64)
 
 

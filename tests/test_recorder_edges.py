@@ -1,0 +1,167 @@
+"""Edge cases found in review: models changed after the recorder was built, low-precision
+LayerNorm statistics, LayerNorm over several dimensions, and a no-grad forward inside a
+recorded step. Each value is checked against a reference computed here."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradscope
+from recorder_ref import assert_rel, norm_gains
+from zoo_cases import batch, tiny
+
+
+def _loss(model, inputs):
+    logits = model(*inputs)
+    target = torch.arange(logits.shape[:-1].numel()).reshape(logits.shape[:-1]) % model.config.vocab
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+def _values(df, quantity, micro=-1):
+    rows = df[(df.quantity == quantity) & (df.micro_step == micro)]
+    return dict(zip(rows.site, rows.value))
+
+
+def test_module_swapped_after_the_recorder_was_built_is_read_live():
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm"])
+    name, old = next((n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear))
+    parent, _, attr = name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, nn.Linear(old.in_features, old.out_features, bias=old.bias is not None))
+    inputs = batch(model.config)
+    with rec.step(0):
+        _loss(model, inputs).backward()
+    total = math.sqrt(sum(p.grad.double().pow(2).sum().item() for p in model.parameters() if p.grad is not None))
+    assert_rel(_values(rec.frame(), "param_grad_norm")[""], total, rel=1e-5, what="total after a swap")
+
+
+def test_parameters_tied_after_the_recorder_was_built_raise():
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm"])
+    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.shape == (model.config.d_model, model.config.d_model)]
+    linears[1].weight = linears[0].weight
+    with pytest.raises(RuntimeError, match="parameters changed since the Recorder was built"):
+        with rec.step(0):
+            _loss(model, batch(model.config)).backward()
+    assert all(not m._forward_hooks for m in model.modules())
+
+
+def _layernorm_inputs(model, run) -> dict[str, torch.Tensor]:
+    """name -> the input each nn.LayerNorm received (first call)."""
+    seen: dict[str, torch.Tensor] = {}
+    handles = [m.register_forward_pre_hook(lambda mod, args, n=n: seen.setdefault(n, args[0].detach()))
+               for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)]
+    try:
+        run()
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _w_over_sigma_ref(ln: nn.LayerNorm, x: torch.Tensor) -> float:
+    dims = tuple(range(-len(ln.normalized_shape), 0))
+    x = x.double()
+    sigma = torch.sqrt(x.var(dim=dims, unbiased=False) + ln.eps)
+    return (ln.weight.double().mean() * sigma.reciprocal().mean()).item()
+
+
+def test_w_over_sigma_of_a_bfloat16_model_is_computed_in_float32():
+    """On a CPU, LayerNorm on bf16 input saves a bf16 1/σ; the recorder recomputes it instead."""
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder", d_model=64, n_heads=4, d_ff=96))
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, nn.LayerNorm):
+                m.weight.uniform_(0.5, 1.5)
+    model = model.bfloat16()
+    inputs = batch(model.config)
+    with gradscope.record(model, quantities=["ln_w_over_sigma"]) as rec:
+        _loss(model, inputs).backward()
+    got = _values(rec.frame(), "ln_w_over_sigma")
+    xs = _layernorm_inputs(model, lambda: _loss(model, inputs))
+    norms = {n: m for n, m in model.named_modules() if isinstance(m, nn.LayerNorm)}
+    assert len(got) == len(norms) > 2
+    for site, value in got.items():
+        inner = next(n for n in norms if n.startswith(site))
+        assert_rel(value, _w_over_sigma_ref(norms[inner], xs[inner]), rel=1e-5, what=site)
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm((4, 8))
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.proj(self.norm(x))
+
+
+class _TwoDimNormNet(nn.Module):
+    """A foreign model whose LayerNorms normalise the last two dimensions."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([_Block(), _Block()])
+        with torch.no_grad():
+            for b in self.blocks:
+                b.norm.weight.uniform_(0.5, 1.5)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
+
+
+@pytest.mark.parametrize("saved_tensor_hooks", [False, True])
+def test_w_over_sigma_over_several_normalised_dimensions(saved_tensor_hooks):
+    """σ is taken over every normalised dimension, whether read from LayerNorm's saved 1/σ
+    or recomputed (as it is while a saved-tensor hook is active)."""
+    torch.manual_seed(0)
+    model = _TwoDimNormNet()
+    x = torch.randn(3, 5, 4, 8) * 2 + 1
+    rec = gradscope.Recorder(model, quantities=["ln_w_over_sigma"])
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+    with rec.step(0):
+        if saved_tensor_hooks:
+            with hooks:
+                loss = model(x).pow(2).mean()
+        else:
+            loss = model(x).pow(2).mean()
+        loss.backward()
+    got = _values(rec.frame(), "ln_w_over_sigma")
+    xs = _layernorm_inputs(model, lambda: model(x))
+    assert set(got) == set(xs) == {"blocks.0.norm", "blocks.1.norm"}
+    for name, value in got.items():
+        assert_rel(value, _w_over_sigma_ref(model.get_submodule(name), xs[name]), rel=1e-5, what=name)
+
+
+def test_ln_gain_keeps_its_micro_step_after_a_no_grad_forward():
+    """A no-grad forward inside a recorded step is a micro-step without backward; the gains
+    of the next micro-step keep that step's index."""
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    inputs = batch(model.config)
+    rec = gradscope.Recorder(model, quantities=["ln_gain"])
+    with rec.step(0):
+        with torch.no_grad():
+            model(*inputs)
+        _loss(model, inputs).backward()
+    df = rec.frame()
+    model.zero_grad()
+    gains = df[df.quantity == "ln_gain"]
+    assert set(gains.micro_step) == {1, -1}
+    norms = {n: m.inner for n, m in model.named_modules() if isinstance(m, gradscope.SiteNorm)}
+    expected = norm_gains(model, norms, lambda: _loss(model, inputs))
+    for micro in (1, -1):
+        got = _values(df, "ln_gain", micro)
+        assert set(got) == set(norms)
+        for n in norms:
+            assert_rel(got[n], expected[n], what=f"{n} micro {micro}")
