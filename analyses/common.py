@@ -317,6 +317,47 @@ def dry_run(specs: Sequence[RunSpec], task: Task, device: torch.device) -> None:
         print(f"[dry-run] {spec.run}: {size}, {built[spec.model] / 1e6:.2f}M parameters, one forward/backward ran; {plan}")
 
 
+@dataclass(frozen=True)
+class Context:
+    """What an analysis's ``collect`` gets: the task, the device, and ``train(spec, **kw)``,
+    :func:`execute` with this run's batch size, seed, device and progress flag bound."""
+
+    task: Task
+    device: torch.device
+    batch_size: int
+    seed: int
+    progress: bool
+
+    def train(self, spec: RunSpec, **kwargs) -> tuple[torch.nn.Module, pd.DataFrame, bool]:
+        """:func:`execute` of ``spec``; ``kwargs`` (``quantities``, ``record_every``,
+        ``progress``) go to it."""
+        kwargs = {"batch_size": self.batch_size, "seed": self.seed, "device": self.device, "progress": self.progress, **kwargs}
+        return execute(spec, self.task, **kwargs)
+
+
+def run_analysis(args: argparse.Namespace, name: str, preset: Preset, specs: Sequence[RunSpec],
+                 collect: Callable[[RunSpec, Context], Sequence[pd.DataFrame]],
+                 conclude: Callable[[pd.DataFrame], tuple[Figure, list[Verdict]]]) -> list[Verdict]:
+    """The path every figure analysis shares: open a session; on ``--dry-run`` build each model
+    and stop; otherwise gather ``collect(spec, context)`` over the runs into one table, let
+    ``conclude(table)`` draw the figure and judge the claims, and publish both.
+
+    Returns:
+        The verdicts (empty on a dry run).
+    """
+    with session(args, name) as device:
+        task = preset.task(args.seed)
+        if args.dry_run:
+            dry_run(specs, task, device)
+            return []
+        context = Context(task=task, device=device, batch_size=preset.batch_size, seed=args.seed,
+                          progress=not args.no_progress)
+        df = concat([table for spec in specs for table in collect(spec, context)])
+        fig, found = conclude(df)
+        publish(df, fig, found, args.out, name)
+    return found
+
+
 # --- outputs ------------------------------------------------------------------------------
 
 def save_table(df: pd.DataFrame, out: Path, name: str) -> Path:

@@ -70,22 +70,19 @@ def figure(df: pd.DataFrame, s: Settings, specs: list[RunSpec], found: list[clai
 def run(args) -> list[claims.Verdict]:
     s = settings(args.preset)
     specs = plan(s, seed=args.seed, device=args.device, max_steps=args.max_steps)
-    with common.session(args, NAME) as device:
-        if args.dry_run:
-            common.dry_run(specs, s.preset.task(args.seed), device)
-            return []
-        task = s.preset.task(args.seed)
-        parts = []
-        for spec in specs:
-            model, table, _ = common.execute(spec, task, batch_size=s.preset.batch_size, seed=args.seed,
-                                             device=device, progress=not args.no_progress)
-            parts += [table, common.measure(model, task, run=spec.run, quantities=("cosine",), step=spec.train.steps,
-                                            split="valid", index=0, batch_size=s.preset.batch_size, device=device,
-                                            seed=args.seed, eval_mode=True)]
-        df = common.concat(parts)
+
+    def collect(spec, ctx):
+        """The training table, and cosine on validation batch 0 after training (eval mode)."""
+        model, table, _ = ctx.train(spec)
+        return [table, common.measure(model, ctx.task, run=spec.run, quantities=("cosine",), step=spec.train.steps,
+                                      split="valid", index=0, batch_size=ctx.batch_size, device=ctx.device,
+                                      seed=ctx.seed, eval_mode=True)]
+
+    def conclude(df):
         found = verdicts(df, s)
-        common.publish(df, figure(df, s, specs, found), found, args.out, NAME)
-    return found
+        return figure(df, s, specs, found), found
+
+    return common.run_analysis(args, NAME, s.preset, specs, collect=collect, conclude=conclude)
 
 
 main = common.entry_point(NAME, __doc__, run)

@@ -78,18 +78,13 @@ def figure(df: pd.DataFrame, s: Settings, found: list[claims.Verdict]) -> plt.Fi
 
 def run(args) -> list[claims.Verdict]:
     s = settings(args.preset)
-    specs = plan(s)
-    with common.session(args, NAME) as device:
-        if args.dry_run:
-            common.dry_run(specs, s.preset.task(args.seed), device)
-            return []
-        task = s.preset.task(args.seed)
-        df = common.concat([common.execute(spec, task, batch_size=s.preset.batch_size, seed=args.seed,
-                                           device=device, progress=False, quantities=QUANTITIES)[1]
-                            for spec in specs])
+
+    def conclude(df):
         found = verdicts(df, s)
-        common.publish(df, figure(df, s, found), found, args.out, NAME)
-    return found
+        return figure(df, s, found), found
+
+    return common.run_analysis(args, NAME, s.preset, plan(s), conclude=conclude,
+                               collect=lambda spec, ctx: [ctx.train(spec, quantities=QUANTITIES, progress=False)[1]])
 
 
 main = common.entry_point(NAME, __doc__, run)

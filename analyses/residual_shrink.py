@@ -96,18 +96,13 @@ def figure(df: pd.DataFrame, s: Settings, specs: list[RunSpec], found: list[clai
 def run(args) -> list[claims.Verdict]:
     s = settings(args.preset)
     specs = plan(s, seed=args.seed, device=args.device, max_steps=args.max_steps)
-    with common.session(args, NAME) as device:
-        if args.dry_run:
-            common.dry_run(specs, s.preset.task(args.seed), device)
-            return []
-        task = s.preset.task(args.seed)
-        df = common.concat([common.execute(spec, task, batch_size=s.preset.batch_size, seed=args.seed, device=device,
-                                           progress=not args.no_progress, quantities=QUANTITIES,
-                                           record_every=max(1, spec.train.steps // RECORDINGS))[1]
-                            for spec in specs])
+
+    def conclude(df):
         found = verdicts(df, s)
-        common.publish(df, figure(df, s, specs, found), found, args.out, NAME)
-    return found
+        return figure(df, s, specs, found), found
+
+    return common.run_analysis(args, NAME, s.preset, specs, conclude=conclude, collect=lambda spec, ctx: [
+        ctx.train(spec, quantities=QUANTITIES, record_every=max(1, spec.train.steps // RECORDINGS))[1]])
 
 
 main = common.entry_point(NAME, __doc__, run)
