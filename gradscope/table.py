@@ -25,6 +25,12 @@ Columns:
     layer_j: column index j of matrix quantities, ``<NA>`` otherwise.
     reduction: how the loss was reduced over tokens (``"mean"`` or ``"sum"``), so that
         gradient norms from different runs are comparable.
+    role: what the site is, stated once by the recorder's layout for zoo and foreign
+        models alike (``gradscope.recorder.layout.ROLES``: ``embed``, ``layer_in``,
+        ``layer_out``, ``branch``, ``sum``, ``norm_in``, ``norm_out``, ``final_norm_in``,
+        ``final_norm_out``, ``combine``, ``memory``, ``other``); ``""`` for rows that are
+        not at a site (parameter groups, norms' ln_gain, losses). Select on it, never by
+        parsing site names.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ COLUMNS: tuple[str, ...] = (
     "value",
     "layer_j",
     "reduction",
+    "role",
 )
 
 DTYPES: dict[str, str] = {
@@ -62,6 +69,7 @@ DTYPES: dict[str, str] = {
     "value": "float64",
     "layer_j": "Int64",
     "reduction": "string",
+    "role": "string",
 }
 
 QUANTITIES: tuple[str, ...] = (
@@ -109,7 +117,7 @@ def make_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     if not rows:
         return empty_frame()
     df = pd.DataFrame.from_records(rows)
-    defaults = {"micro_step": -1, "rank": 0, "run": "", "variant": "", "stack": "", "site": "", "reduction": "mean"}
+    defaults = {"micro_step": -1, "rank": 0, "run": "", "variant": "", "stack": "", "site": "", "reduction": "mean", "role": ""}
     for col in COLUMNS:
         if col not in df:
             df[col] = defaults.get(col, pd.NA)

@@ -1,9 +1,10 @@
 """Slow references for the recorder tests, written independently of gradscope.recorder.
 
-The gradient at a site is ``torch.autograd.grad`` of the loss w.r.t. the retained tensor
-that the site's module passes on (output) or receives (input): ∂loss/∂h, all uses of h
-summed. ``isolate=True`` instead inserts a view in front of the module and differentiates
-w.r.t. that view: the gradient flowing through the module alone (used for ln_gain)."""
+A site is a module boundary. The gradient at a site is ``torch.autograd.grad`` of the loss
+w.r.t. the value that crosses it: a view inserted where the module passes its output on
+(everything downstream of the module's output) or in front of the module's input (the
+gradient flowing back through that module alone). ``isolate=False`` instead retains the
+tensor itself, all of its uses summed."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def _first(value):
     return None
 
 
-def site_gradients(model, modules: dict[str, tuple[torch.nn.Module, str]], run, isolate: bool = False) -> tuple[dict, dict]:
+def site_gradients(model, modules: dict[str, tuple[torch.nn.Module, str]], run, isolate: bool = True) -> tuple[dict, dict]:
     """Runs ``run()`` (returns the loss) with views retained at each site.
 
     Args:
@@ -43,8 +44,8 @@ def site_gradients(model, modules: dict[str, tuple[torch.nn.Module, str]], run, 
                 t = _first(out)
                 if t is None or name in captured:
                     return None
-                captured[name] = t
-                return None
+                captured[name] = t.view_as(t) if isolate else t
+                return _swap_first(out, captured[name]) if isolate else None
             handles.append(module.register_forward_hook(hook))
         else:
             def pre(mod, args, kwargs, name=name):
@@ -87,6 +88,6 @@ def all_hook_dicts_empty(model: torch.nn.Module) -> list[str]:
 
 def norm_gains(model, norms: dict[str, torch.nn.Module], run) -> dict[str, float]:
     """name -> ‖grad through the norm alone at its input‖ / ‖∂loss/∂(norm output)‖."""
-    g_in, _ = site_gradients(model, {n: (m, "input") for n, m in norms.items()}, run, isolate=True)
+    g_in, _ = site_gradients(model, {n: (m, "input") for n, m in norms.items()}, run)
     g_out, _ = site_gradients(model, {n: (m, "output") for n, m in norms.items()}, run)
     return {n: g_in[n] / g_out[n] for n in norms}

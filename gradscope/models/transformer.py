@@ -44,6 +44,11 @@ class ZooModel(nn.Module):
         """Stack name → the (B, T) token tensor it reads, for the inputs of one forward."""
         return dict(zip(self.stacks(), inputs))
 
+    def token_masks(self, *inputs: torch.Tensor, **kwargs) -> dict[str, torch.Tensor]:
+        """Stack name → (B, T) bool mask of real (non-pad) tokens; the recorder weights
+        ``cosine`` by it."""
+        return {s: t != self.pad_id for s, t in self.stack_tokens(*inputs).items()}
+
 
 class EncoderDecoder(ZooModel):
     """Encoder–decoder translation model (Vaswani 2017).

@@ -1,11 +1,27 @@
-"""Where the recorder looks: sites, norms, layer-output stacks and parameter groups.
+"""Where the recorder looks: sites and their roles, norms, layer-output stacks, parameter groups.
 
-For a zoo model the sites are its :class:`~gradscope.models.sites.Site` modules. For any
-other ``nn.Module`` (HuggingFace GPT-2/BERT/T5, x-transformers, ...) the recorder finds the
-repeated blocks — every ``nn.ModuleList`` of two or more children of one class — and every
-normalisation module (``LayerNorm``, ``RMSNorm``, any class whose name ends in ``Norm``),
-and probes their inputs (``<module>.in``) and outputs (``<module>.out``), with no edit to
-the model.
+Found once per model. A zoo model (anything holding :class:`~gradscope.models.sites.Site`
+modules and offering ``stacks()``) is recorded at its sites. Any other ``nn.Module``
+(HuggingFace, x-transformers, nanoGPT, ``nn.Transformer``...) is read by what its modules
+are, never by running them:
+
+- **Repeated blocks**: an ``nn.ModuleList``/``nn.Sequential`` of two or more children of
+  one class that hold parameters. A child that is itself a container (x-transformers keeps
+  each layer as ``ModuleList([norms, block, residual])``) stands for its parameter-richest
+  callable child (``layers.3.1``). Sites ``<block>.in`` (role ``layer_in``) and
+  ``<block>.out`` (role ``layer_out``). The blocks also form a
+  layer-output stack for ``cosine`` when they are of one class; a stack whose outputs
+  change width (a convolutional feature encoder) gets no cosine rows.
+- **Norms**: ``nn.LayerNorm``, ``nn.RMSNorm``, group/batch/instance norms, gradscope's
+  ``ScaleNorm``, and any *leaf* module whose class name ends in ``Norm`` and whose own
+  parameters are at most 1-D (``LlamaRMSNorm``, ``T5LayerNorm``). So a whole encoder layer
+  named ``...StableLayerNorm`` or a weight-norm parametrization is not a norm. Sites
+  ``<norm>.in`` (role ``norm_in``) and ``<norm>.out`` (role ``norm_out``).
+
+Every site is a module boundary, and the gradient recorded there is the gradient of the
+value that crosses it: at ``<norm>.in`` the gradient that flows back through the norm alone
+(so ``ln_gain`` = ‖norm_in‖ / ‖norm_out‖ for zoo and foreign models alike), at a block
+output everything downstream of it.
 """
 
 from __future__ import annotations
@@ -17,26 +33,43 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from gradscope.models.norms import ScaleNorm
 from gradscope.models.sites import Site, SiteNorm
-from gradscope.models.transformer import ZooModel
 
+ROLES: tuple[str, ...] = (
+    "embed", "layer_in", "layer_out", "branch", "sum", "norm_in", "norm_out",
+    "final_norm_in", "final_norm_out", "combine", "memory", "other",
+)
+"""What a site is. Rows that are not at a site (parameter groups, losses) have role ``""``."""
+
+KNOWN_NORMS = (
+    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, ScaleNorm,
+    nn.modules.batchnorm._NormBase,
+)
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _ZOO_LAYER = re.compile(r"^(?P<stack>[^.]+)\.layers\.(?P<i>\d+)(\.|$)")
+_ZOO_ROLES = (  # site-name suffix -> role, for the zoo's canonical names (SPEC §2)
+    ("final_norm.in", "final_norm_in"), ("final_norm.out", "final_norm_out"), ("norm.in", "norm_in"),
+    ("norm.out", "norm_out"), ("embed.out", "embed"), ("combine.out", "combine"), (".branch", "branch"),
+    (".sum", "sum"),
+)
 
 
 @dataclass(frozen=True)
 class Probe:
-    """One site: the tensor a module receives (``"input"``) or returns (``"output"``)."""
+    """One site: the tensor a module receives (``where="input"``) or returns (``"output"``)."""
 
     name: str
     module: nn.Module
     where: str
     stack: str
     layer: int | None
+    role: str = "other"
 
 
 @dataclass(frozen=True)
 class NormProbe:
-    """A normalisation module and the site names of its input and output."""
+    """A normalisation module and the names of the sites on its input and output."""
 
     name: str
     module: nn.Module
@@ -52,6 +85,7 @@ class StackOutputs:
 
     name: str
     sites: tuple[str, ...]
+    width: int | None = None  # feature width of those outputs, when known before a forward
 
 
 @dataclass
@@ -61,22 +95,38 @@ class Layout:
     probes: list[Probe]
     norms: list[NormProbe]
     stacks: list[StackOutputs]
-    param_groups: dict[str, tuple[str, int | None, list[str]]]  # group -> (stack, layer, param names)
-    mixers: dict[str, nn.Module] = field(default_factory=dict)  # modules with mixing_weights()
+    param_groups: dict[str, tuple[str, int | None, list[str]]]  # group -> (stack, layer, parameter names)
+    mixers: dict[str, nn.Module] = field(default_factory=dict)  # modules offering mixing_weights()
     foreign: bool = False
 
     def site_names(self) -> list[str]:
         """All site names, in module order."""
         return [p.name for p in self.probes]
 
+    def role_of(self) -> dict[str, str]:
+        """Site name -> role."""
+        return {p.name: p.role for p in self.probes}
 
-def is_norm(module: nn.Module) -> bool:
-    """LayerNorm, RMSNorm, GroupNorm, or any class whose name ends in 'Norm' (not SiteNorm)."""
+
+def is_norm(module: nn.Module, name: str = "") -> bool:
+    """Whether ``module`` normalises activations (see the module docstring for the rule)."""
     if isinstance(module, SiteNorm):
+        return False  # its ``inner`` is the norm
+    if isinstance(module, KNOWN_NORMS):
+        return True
+    if "parametrizations" in name.split(".") or not type(module).__name__.endswith("Norm"):
         return False
-    return isinstance(module, (nn.LayerNorm, nn.RMSNorm)) or type(module).__name__.endswith("Norm")
+    if next(module.children(), None) is not None:
+        return False  # holds sub-modules: a layer, not a norm
+    return all(p.dim() <= 1 for p in module.parameters(recurse=False))
 
 
+def is_zoo(model: nn.Module) -> bool:
+    """A model that offers ``stacks()`` and holds gradscope ``Site`` modules."""
+    return callable(getattr(model, "stacks", None)) and any(isinstance(m, Site) for m in model.modules())
+
+
+# -- zoo ------------------------------------------------------------------------------------
 def _zoo_position(name: str) -> tuple[str, int | None]:
     m = _ZOO_LAYER.match(name)
     if m:
@@ -85,20 +135,30 @@ def _zoo_position(name: str) -> tuple[str, int | None]:
     return (stack, 0) if name.endswith("embed.out") else (stack if stack in ("encoder", "decoder") else "", None)
 
 
-def _zoo_layout(model: ZooModel) -> Layout:
-    probes = []
-    for name, module in model.named_modules():
-        if isinstance(module, Site):
-            probes.append(Probe(name, module, "output", *_zoo_position(name)))
+def _zoo_role(name: str) -> str:
+    if re.search(r"\.layers\.\d+\.in$", name):
+        return "layer_in"
+    if re.search(r"\.layers\.\d+\.out$", name):
+        return "layer_out"
+    if name.startswith("memory."):
+        return "memory"
+    return next((role for suffix, role in _ZOO_ROLES if name.endswith(suffix)), "other")
+
+
+def _zoo_layout(model: nn.Module) -> Layout:
+    probes = [
+        Probe(name, module, "output", *_zoo_position(name), _zoo_role(name))
+        for name, module in model.named_modules() if isinstance(module, Site)
+    ]
     norms = [
         NormProbe(name, module.inner, f"{name}.in", f"{name}.out", *_zoo_position(name))
-        for name, module in model.named_modules()
-        if isinstance(module, SiteNorm)
+        for name, module in model.named_modules() if isinstance(module, SiteNorm)
     ]
+    width = getattr(getattr(model, "config", None), "d_model", None)
     stacks, groups = [], {"": ("", None, [])}
     for sname, stack in model.stacks().items():
         L = len(stack.layers)
-        stacks.append(StackOutputs(sname, (f"{sname}.embed.out", *(f"{sname}.layers.{i}.out" for i in range(L)))))
+        stacks.append(StackOutputs(sname, (f"{sname}.embed.out", *(f"{sname}.layers.{i}.out" for i in range(L))), width))
         for part in ("embed", "final_norm", "combine"):
             groups[f"{sname}.{part}"] = (sname, 0 if part == "embed" else None, [])
         for i, layer in enumerate(stack.layers):
@@ -106,57 +166,102 @@ def _zoo_layout(model: ZooModel) -> Layout:
             for sub in layer.sublayer_names:
                 groups[f"{sname}.layers.{i}.{sub}"] = (sname, i + 1, [])
     groups["memory"] = ("", None, [])
-    mixers = {n: m for n, m in model.named_modules() if hasattr(m, "mixing_weights")}
+    mixers = {n: m for n, m in model.named_modules() if callable(getattr(m, "mixing_weights", None))}
     return Layout(probes, norms, stacks, _fill_groups(model, groups), mixers)
 
 
-def _repeated_blocks(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+# -- foreign models -----------------------------------------------------------------------
+def _has_params(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _block_in(child: nn.Module | None) -> tuple[str, nn.Module] | None:
+    """(suffix, block) for one entry of a layer list; a container entry stands for its
+    parameter-richest callable child."""
+    if child is None or not _has_params(child):
+        return None
+    if not isinstance(child, CONTAINERS):
+        return "", child
+    inner = [(n, c) for n, c in child.named_children() if not isinstance(c, CONTAINERS) and _has_params(c)]
+    if not inner:
+        return None
+    name, block = max(inner, key=lambda nc: sum(p.numel() for p in nc[1].parameters()))
+    return f".{name}", block
+
+
+def _repeated_blocks(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]], bool]]:
+    """(list path, [(site prefix, block)], blocks of one class) for every layer list found."""
     found = []
     for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) >= 2 and len({type(c) for c in module}) == 1:
-            if not any(name.startswith(f"{outer}.") for outer, _ in found):
-                found.append((name, module))
+        if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
+            continue
+        if any(name.startswith(f"{outer}.") for outer, _, _ in found):
+            continue
+        entries = [_block_in(child) for child in module]
+        if any(e is None for e in entries):
+            continue
+        children = list(module)
+        same_entry_class = len({type(c) for c in children}) == 1
+        if not same_entry_class:
+            continue
+        blocks = [(f"{name}.{i}{suffix}" if name else f"{i}{suffix}", block) for i, (suffix, block) in enumerate(entries)]
+        found.append((name, blocks, len({type(b) for _, b in blocks}) == 1))
     return found
 
 
+def _width(block: nn.Module) -> int | None:
+    """Feature width of a block's output, read from a norm inside it when there is one."""
+    for name, m in block.named_modules():
+        if is_norm(m, name):
+            w = getattr(m, "weight", None)
+            shape = getattr(m, "normalized_shape", None)
+            if shape:
+                return int(shape[-1])
+            if w is not None and w.dim() == 1:
+                return int(w.shape[0])
+    return None
+
+
 def _foreign_layout(model: nn.Module) -> Layout:
-    blocks = _repeated_blocks(model)
-    block_of = {}
-    probes = [Probe(n, m, "output", "", None) for n, m in model.named_modules() if isinstance(m, Site)]
-    stacks, groups = [], {"": ("", None, [])}
-    for sname, blist in blocks:
-        for i, block in enumerate(blist):
-            prefix = f"{sname}.{i}"
-            block_of[prefix] = (sname, i + 1)
-            probes.append(Probe(f"{prefix}.in", block, "input", sname, i + 1))
-            probes.append(Probe(f"{prefix}.out", block, "output", sname, i + 1))
+    probes = [Probe(n, m, "output", "", None, "other") for n, m in model.named_modules() if isinstance(m, Site)]
+    stacks, groups, position = [], {"": ("", None, [])}, {}
+    for sname, blocks, one_class in _repeated_blocks(model):
+        for i, (prefix, block) in enumerate(blocks):
+            position[prefix] = (sname, i + 1)
+            probes.append(Probe(f"{prefix}.in", block, "input", sname, i + 1, "layer_in"))
+            probes.append(Probe(f"{prefix}.out", block, "output", sname, i + 1, "layer_out"))
             groups[prefix] = (sname, i + 1, [])
             for child, sub in block.named_children():
-                if any(True for _ in sub.parameters()):
+                if _has_params(sub):
                     groups[f"{prefix}.{child}"] = (sname, i + 1, [])
-        stacks.append(StackOutputs(sname, (f"{sname}.0.in", *(f"{sname}.{i}.out" for i in range(len(blist))))))
+        if one_class:  # a cosine stack; outputs of another width are skipped when they arrive
+            names = (f"{blocks[0][0]}.in", *(f"{p}.out" for p, _ in blocks))
+            stacks.append(StackOutputs(sname, names, _width(blocks[0][1])))
     norms = []
     for name, module in model.named_modules():
-        if is_norm(module):
-            stack, layer = "", None
-            for prefix, pos in block_of.items():
-                if name.startswith(f"{prefix}."):
-                    stack, layer = pos
-            probes.append(Probe(f"{name}.in", module, "input", stack, layer))
-            probes.append(Probe(f"{name}.out", module, "output", stack, layer))
-            norms.append(NormProbe(name, module, f"{name}.in", f"{name}.out", stack, layer))
+        if not is_norm(module, name):
+            continue
+        stack, layer = "", None
+        for prefix, pos in position.items():
+            if name.startswith(f"{prefix}."):
+                stack, layer = pos
+        probes.append(Probe(f"{name}.in", module, "input", stack, layer, "norm_in"))
+        probes.append(Probe(f"{name}.out", module, "output", stack, layer, "norm_out"))
+        norms.append(NormProbe(name, module, f"{name}.in", f"{name}.out", stack, layer))
     if not probes:
         raise ValueError(
             f"{type(model).__name__}: found nothing to record. The recorder looked for gradscope Site modules, "
-            "for repeated blocks (an nn.ModuleList of >= 2 children of one class) and for normalisation modules "
-            "(nn.LayerNorm, nn.RMSNorm, or a class named *Norm). Name sites by hand by placing "
-            "gradscope.Site() modules in your forward (x = self.hook_resid(x)), or pass sites=... to pick modules."
+            "for repeated blocks (an nn.ModuleList of >= 2 children of one class holding parameters) and for "
+            "normalisation modules (nn.LayerNorm, nn.RMSNorm, or a leaf class named *Norm). Name sites by hand by "
+            "placing gradscope.Site() modules in your forward (x = self.hook_resid(x)), or pass sites=... to pick modules."
         )
     return Layout(probes, norms, stacks, _fill_groups(model, groups), {}, foreign=True)
 
 
 def _fill_groups(model: nn.Module, groups: dict) -> dict:
-    for pname, _ in model.named_parameters():
+    """Puts every parameter name in the groups whose prefix it has. A parameter shared by
+    two modules is listed under each of its names, so it counts in both blocks' groups."""
+    for pname, _ in model.named_parameters(remove_duplicate=False):
         groups[""][2].append(pname)
         for gname, (_, _, members) in groups.items():
             if gname and pname.startswith(f"{gname}."):
@@ -170,17 +275,14 @@ def find_layout(model: nn.Module, sites: list[str] | None = None) -> Layout:
     Args:
         model: a zoo model, or any ``nn.Module``.
         sites: optional shell-style (fnmatch) patterns (``"decoder.layers.*.ffn.sum"``; ``*``
-            also matches dots, ``?`` one character); only matching
-            sites are probed. Norm and cosine quantities need their sites kept.
+            also matches dots, ``?`` one character); only matching sites are probed.
+            ``ln_gain`` needs both sites of a norm kept, ``cosine`` a stack's outputs.
 
     Raises:
         ValueError: nothing to record, or a pattern matches no site (the message lists
             some valid names).
     """
-    has_sites = any(isinstance(m, Site) for m in model.modules())
-    layout = _zoo_layout(model) if isinstance(model, ZooModel) and has_sites else None
-    if layout is None:
-        layout = _foreign_layout(model)
+    layout = _zoo_layout(model) if is_zoo(model) else _foreign_layout(model)
     if sites is not None:
         names = layout.site_names()
         for pattern in sites:

@@ -31,6 +31,9 @@ class ParamGroups:
         self.model = model
         self.names = [n for n, _ in model.named_parameters()]
         index = {n: i for i, n in enumerate(self.names)}
+        first = {id(p): index[n] for n, p in model.named_parameters()}
+        for alias, p in model.named_parameters(remove_duplicate=False):  # a shared parameter under each name
+            index.setdefault(alias, first[id(p)])
         self.groups = list(layout.param_groups)
         self.positions = [(layout.param_groups[g][0], layout.param_groups[g][1]) for g in self.groups]
         membership = torch.zeros(len(self.groups), len(self.names))

@@ -3,6 +3,7 @@
 Usage::
 
     rec = gradscope.Recorder(model, optimizer=opt)
+    model = torch.compile(model)          # optional: make the Recorder first
     for step, batch in enumerate(loader):
         with rec.step(step):              # covers forward and backward
             loss = loss_fn(model(*batch)); loss.backward()
@@ -10,16 +11,18 @@ Usage::
         opt.step(); opt.zero_grad()
     df = rec.frame()
 
-Hooks exist only inside a recorded ``step`` context and are removed on exit, exceptions
-included. Values stay on the device as 0-d tensors and reach the host once per recorded
-step. The recorder never draws from the global RNG and never writes to parameters or
-gradients, so training with and without it is bit-identical.
+The capture lives inside the graph (:mod:`gradscope.recorder.capture`): hooks are installed
+when the Recorder is made and removed by ``close()``; steps that are not recorded pass
+straight through them. Values stay on the device and reach the host once per recorded step.
+The recorder never draws from the global RNG, never re-runs a module and never writes to
+parameters, buffers or gradients, so training with and without it is bit-identical, eager
+or compiled. Each quantity is a class in :mod:`gradscope.recorder.quantities`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
+import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -27,17 +30,17 @@ import pandas as pd
 import torch
 from torch import nn
 
-from gradscope.models.transformer import ZooModel
-from gradscope.recorder.hooks import StepHooks, scalenorm_gains
-from gradscope.recorder.layout import find_layout
+from gradscope.recorder.capture import Capture
+from gradscope.recorder.layout import find_layout, is_zoo
 from gradscope.recorder.params import ParamGroups
-from gradscope.recorder.postprocess import finish_rows
+from gradscope.recorder.finish import step_rows
+from gradscope.recorder.quantities import REGISTRY, StepData
 from gradscope.recorder.store import RowStore, StepBuffer
 from gradscope.table import QUANTITIES
 
 DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
 ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio")
-SLOW_QUANTITIES = frozenset({"cosine", "update_ratio"})  # taken every ``slow_every`` recorded steps
+SLOW_QUANTITIES = frozenset(name for name, q in REGISTRY.items() if q.slow)  # every ``slow_every`` recorded steps
 
 
 def resolve_quantities(quantities: str | tuple | list) -> tuple[str, ...]:
@@ -56,12 +59,17 @@ def resolve_quantities(quantities: str | tuple | list) -> tuple[str, ...]:
 class Recorder:
     """Records gradient norms and LayerNorm statistics of ``model``.
 
+    Make it before the first call of a compiled model (``torch.compile`` sees only hooks
+    that exist when it traces); a Recorder whose hooks never fire raises at the end of the
+    step rather than returning an empty table.
+
     Args:
         model: a zoo model (also when wrapped, e.g. in a LightningModule or DDP) or any
             ``nn.Module`` (see ``gradscope.recorder.layout``). A
             ``DistributedDataParallel`` wrapper is unwrapped (sites and groups are named
-            from ``model.module``); FSDP2 (``fully_shard``) models are used as they are.
-            Under ``torch.distributed`` see :mod:`gradscope.distributed`.
+            from ``model.module``), and so is a ``torch.compile`` wrapper; FSDP2
+            (``fully_shard``) models are used as they are. Under ``torch.distributed`` see
+            :mod:`gradscope.distributed`.
         quantities: ``"default"`` (norms, ln_gain, loss, lr, nonfinite), ``"all"``, or a
             list of quantity names.
         every: record steps whose index is a multiple of ``every`` (default 1).
@@ -75,10 +83,13 @@ class Recorder:
             group) is measured around its ``step``.
         scaler: a ``torch.amp.GradScaler``; gradient norms are divided by its scale so the
             table holds unscaled values.
-        cosine_tokens: tokens sampled (without replacement) per stack for ``cosine``.
+        cosine_tokens: tokens sampled per stack for ``cosine`` (stratified over the batch).
         reduction: how the loss is reduced over tokens, written to every row.
         seed: seed of the recorder's private token-sampling generator.
         rank: value of the ``rank`` column (default: the torch.distributed rank, else 0).
+        max_calls: rows kept per site for a module called several times in one forward
+            (a shared layer): ``site``, ``site#2``, ... (default 16; later calls add into
+            the last and a warning says so).
     """
 
     def __init__(
@@ -97,15 +108,15 @@ class Recorder:
         reduction: str = "mean",
         seed: int = 0,
         rank: int | None = None,
+        max_calls: int = 16,
     ) -> None:
-        for name, value in (("every", every), ("slow_every", slow_every), ("cosine_tokens", cosine_tokens)):
+        for name, value in (("every", every), ("slow_every", slow_every), ("cosine_tokens", cosine_tokens),
+                            ("max_calls", max_calls)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         if reduction not in ("mean", "sum"):
             raise ValueError(f"reduction: must be 'mean' or 'sum', got {reduction!r}")
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        model = zoo_inside(model)
+        model = unwrap(model)
         self.model = model
         self.quantities = resolve_quantities(quantities)
         self.every, self.slow_every = every, slow_every
@@ -119,10 +130,15 @@ class Recorder:
         self.rank = rank if rank is not None else _dist_rank()
         self._generator = torch.Generator().manual_seed(seed)
         self._store = RowStore()
-        self._hooks: StepHooks | None = None
+        self._capture = Capture(model, self.layout, max_calls, self._token_masks)
+        self._capture.install()
         self._wants: set[str] = set()
         self._buffer: StepBuffer | None = None
         self._step: int | None = None
+        self._recording = False
+        self._grad_versions: list | None = None
+        self._ever_seen = False
+        self._warned: set[str] = set()
         self._pending_update: int | None = None
         self._before_update: list[torch.Tensor] | None = None
         self._opt_handles = []
@@ -175,28 +191,33 @@ class Recorder:
         self._wants = set(self.quantities)
         if step % (self.every * self.slow_every):
             self._wants -= SLOW_QUANTITIES
+        captures = set().union(*(REGISTRY[q].captures for q in self._wants if q in REGISTRY))
         self._buffer = StepBuffer()
-        self._hooks = StepHooks(self.model, self.layout, self._buffer, self._wants, self.cosine_tokens, self._generator, self._token_masks)
-        self._hooks.install()
+        self._capture.begin(self._device(), value="value" in captures, grad="grad" in captures,
+                            wsig="wsig" in captures, cosine="cosine" in captures,
+                            cosine_tokens=self.cosine_tokens, generator=self._generator)
+        self._recording = True
+        if not self._ever_seen:
+            self._grad_versions = _grad_versions(self.model)
         return True
 
     def end_step(self) -> None:
-        """Closes the open step after backward: removes hooks, stores the step's rows."""
+        """Closes the open step after backward and stores the step's rows."""
         if self._step is None:
             raise RuntimeError("Recorder.end_step: no open step")
-        step, hooks = self._step, self._hooks
+        step = self._step
         try:
-            if hooks is not None:
-                hooks.remove()
+            if self._recording:
                 self._finish(step, self._wants)
         finally:
-            self._step = self._hooks = self._buffer = None
+            self._capture.on = False
+            self._step, self._buffer, self._recording = None, None, False
 
     def abort_step(self) -> None:
-        """Discards the open step (after an exception): hooks removed, nothing stored."""
-        if self._hooks is not None:
-            self._hooks.remove()
-        self._step = self._hooks = self._buffer = None
+        """Discards the open step (after an exception): nothing stored."""
+        self._capture.on = False
+        self._capture.snapshots.clear()
+        self._step, self._buffer, self._recording = None, None, False
 
     @property
     def open_step(self) -> int | None:
@@ -209,7 +230,7 @@ class Recorder:
         Tensors stay on the device until the step's single host transfer. Outside an open
         step, ``step`` must be given and the value is stored at once.
         """
-        key = (-1, "", None, "", quantity, None)
+        key = (-1, "", None, "", quantity, None, "")
         if self._buffer is not None and step in (None, self._step):
             if isinstance(value, torch.Tensor):
                 self._buffer.add(key, value.detach().float().reshape(()))
@@ -224,30 +245,58 @@ class Recorder:
 
     # -- end of step ---------------------------------------------------------------------
     def _finish(self, step: int, wants: set[str]) -> None:
-        buf, hooks = self._buffer, self._hooks
-        scale = self._grad_scale()
-        if scale is not None:
-            buf.add((-1, "", None, "", "__scale__", None), scale)
-        if "param_grad_norm" in wants:
-            norms = self.groups.group_norms(self.groups.grads())
-            if norms is not None:
-                buf.add_many([(-1, s, l, g, "param_grad_norm", None) for g, (s, l) in zip(self.groups.groups, self.groups.positions)], norms)
-        if "cosine" in wants:
-            for stack, matrix in hooks.cosine_matrices().items():
-                buf.add_matrix(-1, stack, f"{stack}.layers", "cosine", matrix)
-        if "dlcl_weight" in wants:
-            for name, mixer in self.layout.mixers.items():
-                buf.add_matrix(-1, name.split(".")[0] if name.startswith(("encoder", "decoder")) else "", name, "dlcl_weight", mixer.mixing_weights())
-        if "scalenorm_g" in wants:
-            for norm, g in scalenorm_gains(self.layout):
-                buf.add((-1, norm.stack, norm.layer, norm.name, "scalenorm_g", None), g.float().reshape(()))
-        if "lr" in wants and self._lr_from_optimizer:
-            buf.add_float((-1, "", None, "", "lr", None), float(self.optimizer.param_groups[0]["lr"]))
-        keys, values = buf.to_host()  # the one host transfer of this step
-        keys, values = finish_rows(keys, values, self.layout, wants, micro_steps=hooks.micro + 1, params_unscaled=self._params_unscaled())
+        buf = self._buffer
+        with _no_autocast(self._capture.device):  # leaving the step inside autocast must not lower precision
+            snapshots, calls = self._capture.end()
+            scale = self._grad_scale()
+            if scale is not None:
+                buf.add((-1, "", None, "", "__scale__", None, ""), scale)
+            for name in wants:
+                if name in REGISTRY:
+                    REGISTRY[name].collect(self, buf)
+            buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f in snapshots]))
+            keys, values, blocks = buf.to_host()  # the one host transfer of this step
+        keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
+                                       K=self._capture.K, wants=wants, params_unscaled=self._params_unscaled())
+        self._check_calls(step, data, calls)
         self._store.append(step, keys, values)
         if "update_ratio" in wants and self.optimizer is not None:
             self._pending_update = step
+
+    def _check_calls(self, step: int, data: StepData, calls: list[int]) -> None:
+        """Raises when no hook fired although backward ran; warns about silent sites and
+        about modules called more often than ``max_calls``."""
+        seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
+        if not seen:
+            if not self._ever_seen and self._grad_versions is not None and self._grad_versions != _grad_versions(self.model):
+                raise RuntimeError(
+                    "Recorder: backward ran in this step but none of the recorder's hooks fired. The model was most "
+                    "likely compiled and called before the Recorder was made: torch.compile does not see hooks added "
+                    "after its first trace. Make the Recorder before the first call of the compiled model (or call "
+                    "torch._dynamo.reset() and let it trace again)."
+                )
+            return
+        self._ever_seen = True
+        silent = [p.name for p in self._capture.points if p.name not in seen and p.name not in self._warned]
+        if silent:
+            self._warned.update(silent)
+            warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
+                          f"{silent[:8]}{' ...' if len(silent) > 8 else ''} (drop them with sites=...)", stacklevel=4)
+        unfit = sorted(data.unfit - self._warned)
+        if unfit:
+            self._warned.update(unfit)
+            warnings.warn(f"gradscope: {unfit[:4]} do not map their normalised input to their output with one gain per "
+                          "feature (adaptive norms?): the gradient through them alone is not known without re-running "
+                          "them, so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows", stacklevel=4)
+        over = [p.name for p, n in zip(self._capture.points, calls) if n > self._capture.K and p.name not in self._warned]
+        if over:
+            self._warned.update(over)
+            warnings.warn(f"gradscope: {over[:4]} called more than max_calls={self._capture.K} times in one forward; "
+                          "later calls are added into the last row (raise max_calls)", stacklevel=4)
+
+    def _device(self) -> torch.device:
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
 
     def _grad_scale(self) -> torch.Tensor | None:
         if self.scaler is None or not self.scaler.is_enabled():
@@ -271,19 +320,30 @@ class Recorder:
         if self._pending_update is None or self._before_update is None:
             return
         now = [p.detach() for p in self.groups.params]
+        if len(now) != len(self._before_update):
+            return
         delta = self.groups.group_norms(torch._foreach_sub(now, self._before_update))
         base = self.groups.group_norms(self._before_update)
         ratio = (delta / base.clamp_min(torch.finfo(base.dtype).tiny)).cpu().double().numpy()
-        keys = [(-1, s, l, g, "update_ratio", None) for g, (s, l) in zip(self.groups.groups, self.groups.positions)]
+        keys = [(-1, s, l, g, "update_ratio", None, "") for g, (s, l) in zip(self.groups.groups, self.groups.positions)]
         self._store.append(self._pending_update, keys, ratio)
         self._pending_update, self._before_update = None, None
 
     # -- masks for cosine ----------------------------------------------------------------
     def _token_masks(self, args, kwargs) -> dict[str, torch.Tensor]:
-        if isinstance(self.model, ZooModel):
-            return {s: t != self.model.pad_id for s, t in self.model.stack_tokens(*args).items()}
-        mask = kwargs.get("attention_mask")
-        return {s.name: mask.bool() for s in self.layout.stacks} if isinstance(mask, torch.Tensor) else {}
+        """Stack -> (B, T) bool mask of real tokens, asked of the model (``token_masks``) or,
+        for HuggingFace models, ``attention_mask`` for the first (encoder) stack and
+        ``decoder_attention_mask`` for a second: an encoder's padding never weights a decoder."""
+        own = getattr(self.model, "token_masks", None)
+        if callable(own):
+            return own(*args, **kwargs)
+        names = [s.name for s in self.layout.stacks]
+        masks = {}
+        for name, key in zip(names, ("attention_mask", "decoder_attention_mask")):
+            mask = kwargs.get(key)
+            if isinstance(mask, torch.Tensor):
+                masks[name] = mask.bool()
+        return masks
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -332,8 +392,7 @@ class Recorder:
 
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer); the recorded table stays readable."""
-        if self._hooks is not None:
-            self._hooks.remove()
+        self._capture.remove()
         for h in self._opt_handles:
             h.remove()
         self._opt_handles = []
@@ -351,12 +410,34 @@ class Recorder:
         return self.layout.site_names()
 
 
-def zoo_inside(model: nn.Module) -> nn.Module:
-    """The zoo model itself, or the first zoo model wrapped inside ``model`` (a LightningModule,
-    a DDP wrapper...), so that site names stay canonical; otherwise ``model``."""
-    if isinstance(model, ZooModel):
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model to record inside wrappers: DDP's ``.module``, ``torch.compile``'s
+    ``_orig_mod``, and a zoo model held by a LightningModule or similar, so that site names
+    stay canonical."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            break
+    if is_zoo(model):
         return model
-    return next((m for m in model.modules() if isinstance(m, ZooModel)), model)
+    return next((m for m in model.modules() if is_zoo(m)), model)
+
+
+def _grad_versions(model: nn.Module) -> list:
+    """(id, version) of every parameter's gradient: tells whether backward ran in a step."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version) for p in model.parameters()]
+
+
+@contextlib.contextmanager
+def _no_autocast(device: torch.device | None):
+    if device is None:
+        yield
+        return
+    with torch.autocast(device_type=device.type, enabled=False):
+        yield
 
 
 def _dist_rank() -> int:

@@ -15,8 +15,8 @@ import torch
 
 from gradscope.table import COLUMNS, DTYPES, empty_frame
 
-# key = (micro_step, stack, layer, site, quantity, layer_j)
-Key = tuple[int, str, "int | None", str, str, "int | None"]
+# key = (micro_step, stack, layer, site, quantity, layer_j, role)
+Key = tuple[int, str, "int | None", str, str, "int | None", str]
 
 
 @dataclass
@@ -34,6 +34,7 @@ class StepBuffer:
     vectors: list[tuple[list[Key], torch.Tensor]] = field(default_factory=list)
     matrices: list[tuple[int, str, str, str, torch.Tensor]] = field(default_factory=list)
     host: list[tuple[Key, float]] = field(default_factory=list)
+    blocks: dict[str, torch.Tensor] = field(default_factory=dict)  # raw arrays that travel with the rows
 
     def add(self, key: Key, value: torch.Tensor) -> None:
         """Appends one 0-d float32 tensor (kept on its device)."""
@@ -59,8 +60,12 @@ class StepBuffer:
         """Appends a matrix quantity; row i, column j become (layer=i, layer_j=j)."""
         self.matrices.append((micro, stack, site, quantity, matrix.detach()))
 
-    def to_host(self) -> tuple[list[Key], np.ndarray]:
-        """Moves everything to the host in one transfer; returns (keys, float64 values)."""
+    def add_block(self, name: str, values: torch.Tensor) -> None:
+        """Appends a raw array (the step's captured snapshots) that travels in the same transfer."""
+        self.blocks[name] = values.detach()
+
+    def to_host(self) -> tuple[list[Key], np.ndarray, dict[str, np.ndarray]]:
+        """Moves everything to the host in one transfer; returns (keys, float64 values, blocks)."""
         parts = [_stack_across_devices(self.scalars)] if self.scalars else []
         keys = list(self.keys)
         for vector_keys, values in self.vectors:
@@ -69,13 +74,20 @@ class StepBuffer:
         for micro, stack, site, quantity, m in self.matrices:
             rows, cols = m.shape
             parts.append(m.float().reshape(-1))
-            keys += [(micro, stack, i, site, quantity, j) for i in range(rows) for j in range(cols)]
+            keys += [(micro, stack, i, site, quantity, j, "") for i in range(rows) for j in range(cols)]
+        n_rows = sum(p.numel() for p in parts)
+        parts += [b.float().reshape(-1) for b in self.blocks.values()]
         flat = torch.cat([p.to(parts[0].device) for p in parts]).cpu().double().numpy() if parts else np.zeros(0)
+        blocks, at = {}, n_rows
+        for name, b in self.blocks.items():
+            blocks[name] = flat[at: at + b.numel()].reshape(b.shape)
+            at += b.numel()
+        flat = flat[:n_rows]
         n_scalars = len(self.scalars)
         values = np.concatenate([flat[np.asarray(self.slots, dtype=np.int64)], flat[n_scalars:],
                                  np.array([v for _, v in self.host], dtype=np.float64)])
         keys += [k for k, _ in self.host]
-        return keys, values
+        return keys, values, blocks
 
 
 def _stack_across_devices(scalars: list[torch.Tensor]) -> torch.Tensor:
@@ -131,7 +143,7 @@ class RowStore:
 
     def load_state_dict(self, state: dict) -> None:
         """Replaces the stored rows with those of :meth:`state_dict`."""
-        self._keys = [tuple(k) for k in state["keys"]]
+        self._keys = [(*k, "")[:7] if len(k) == 6 else tuple(k) for k in state["keys"]]  # older checkpoints: no role
         self._key_index = {k: i for i, k in enumerate(self._keys)}
         self._chunks = [(int(step), ids.numpy().astype(np.int32), values.numpy().astype(np.float64)) for step, ids, values in state["chunks"]]
 
@@ -142,7 +154,7 @@ class RowStore:
         steps = np.concatenate([np.full(len(ids), s, dtype=np.int64) for s, ids, _ in self._chunks])
         ids = np.concatenate([ids for _, ids, _ in self._chunks])
         values = np.concatenate([v for _, _, v in self._chunks])
-        keys = pd.DataFrame(self._keys, columns=["micro_step", "stack", "layer", "site", "quantity", "layer_j"])
+        keys = pd.DataFrame(self._keys, columns=["micro_step", "stack", "layer", "site", "quantity", "layer_j", "role"])
         rows = keys.iloc[ids].reset_index(drop=True)
         data = {
             "run": run,
@@ -157,5 +169,6 @@ class RowStore:
             "value": values,
             "layer_j": pd.array(rows["layer_j"].tolist(), dtype="Int64"),
             "reduction": reduction,
+            "role": rows["role"].to_numpy(),
         }
         return pd.DataFrame(data, columns=list(COLUMNS)).astype(DTYPES)

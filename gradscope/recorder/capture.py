@@ -1,0 +1,354 @@
+"""Capture inside the graph: identity taps at the sites, statistics into device buffers.
+
+Hooks are installed once, when the Recorder is made, and removed by ``close()``; on a step
+that is not recorded each hook returns at once. On a recorded step:
+
+- a site's value passes through :class:`Tap`, an identity ``autograd.Function`` whose
+  backward also returns ‖grad‖² as the gradient of a small *probe* leaf vector, one slot
+  per (site, call). Autograd sums those into ``probe.grad``, so every activation-gradient
+  norm of a backward arrives in one vector, with no Python hook in the backward and no
+  host sync. The tap's output is a detached alias of its input (same storage, same version
+  counter), so an in-place op after a site behaves exactly as without the recorder;
+- forward statistics (the site's ‖h‖, a norm's w/σ, sampled rows for ``cosine``) are
+  written in place into device buffers;
+- when ``probe.grad`` is accumulated (the end of each backward) one hook copies it and the
+  forward buffer aside: one snapshot per micro-step.
+
+Everything a hook does is traceable by Dynamo, so ``torch.compile(model, fullgraph=True)``
+works with no graph break; whether a step records is a Python flag, so recorded and
+unrecorded steps compile one graph each and then never again. Nothing is re-run, nothing
+draws from the global RNG, no buffer of the user's is touched, and values reach the host
+once per recorded step.
+
+A module called several times in one forward (a shared layer) gets one slot per call, up
+to ``max_calls``; later calls add into the last slot (and the Recorder warns).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from gradscope.recorder.layout import Layout
+from gradscope.recorder.norm_stats import isolated_grad_sq, norm_gain, norm_kind, w_over_sigma
+
+
+FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm
+
+
+class Tap(torch.autograd.Function):
+    """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
+    (fp32) at ``slot`` of the probe's gradient."""
+
+    @staticmethod
+    def forward(x: torch.Tensor, probe: torch.Tensor, slot: int) -> torch.Tensor:
+        return x.detach()  # an alias, not a view: in-place ops after the site stay legal
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        ctx.slot, ctx.size = inputs[2], inputs[1].shape[0]
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
+        return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None
+
+
+class NormTap(torch.autograd.Function):
+    """Identity on a norm's output; backward adds ‖Jᵀgrad‖² (the gradient through the norm
+    alone, at its input; :func:`~gradscope.recorder.norm_stats.isolated_grad_sq`) at ``slot``."""
+
+    @staticmethod
+    def forward(y, x, probe, slot, kind, w, is_ln, eps, dims):
+        return y.detach()
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        _, x, probe, ctx.slot, ctx.kind, w, is_ln, ctx.eps, ctx.dims = inputs
+        ctx.size = probe.shape[0]
+        ctx.save_for_backward(x, w, is_ln)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, is_ln = ctx.saved_tensors
+        sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims).reshape(1)
+        return grad, None, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None, None, None, None, None
+
+
+def first_tensor(value) -> torch.Tensor | None:
+    """A module output's main tensor: the value itself, or the first item of a tuple/list."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def _replace_first(value, new: torch.Tensor):
+    if isinstance(value, torch.Tensor):
+        return new
+    return type(value)((new, *value[1:])) if isinstance(value, tuple) else [new, *value[1:]]
+
+
+def main_input(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor] | None:
+    """(position or keyword, tensor) of a module's main input: the first positional tensor,
+    else the first floating-point tensor passed by keyword (``hidden_states``, ``x``...)."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (i, a) if a.is_floating_point() else None
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return k, v
+    return None
+
+
+def _in_backward() -> bool:
+    """Whether a forward runs inside backward (activation checkpointing recomputing)."""
+    return not torch.compiler.is_compiling() and torch._C._current_autograd_node() is not None
+
+
+class Capture:
+    """The permanent hooks of a Recorder and the device buffers they write.
+
+    Args:
+        model: the recorded model (its root forward resets the per-forward call counts).
+        layout: sites, norms and stacks.
+        max_calls: slots per site for a module called several times per forward.
+        token_masks: callable (args, kwargs) -> {stack: (B, T) bool} for ``cosine`` weights.
+    """
+
+    def __init__(self, model: nn.Module, layout: Layout, max_calls: int, token_masks) -> None:
+        self.model, self.layout, self.K, self.token_masks = model, layout, max_calls, token_masks
+        self.points = list(layout.probes)
+        self.n_taps = len(self.points) * max_calls
+        self.n_slots = self.n_taps + len(layout.norms) * max_calls  # taps, then norms (w/σ)
+        self.on = False
+        self.want_value = self.want_grad = self.want_wsig = self.want_cosine = False
+        self.calls = [0] * (len(self.points) + len(layout.norms))
+        self.recalls = [0] * len(self.calls)
+        self.seq = 0
+        self.device: torch.device | None = None
+        self.probe: torch.Tensor | None = None
+        self.fwd: torch.Tensor | None = None  # (n_slots, FWD): [±order (negative: not tapped), value, misfit]
+        self.cos_rows: dict[str, torch.Tensor] = {}  # stack -> (L+1, k, d) normalised sampled rows
+        self.cos_weight: dict[str, torch.Tensor] = {}  # stack -> (k,) token weights (0 = padding)
+        self.cos_written: dict[str, torch.Tensor] = {}  # stack -> (L+1,) 1 where that output was sampled
+        self.cos_offset: torch.Tensor | None = None  # () in [0, 1): stratified token sampling offset
+        self.cosine_tokens = 0
+        self.masks: dict[str, torch.Tensor] = {}
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        index = {p.name: i for i, p in enumerate(self.points)}
+        self._norm_kind = [norm_kind(n.module) for n in layout.norms]
+        self._norm_in = [index.get(n.site_in) for n in layout.norms]  # point whose gradient the norm's tap gives
+        tapped_in = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k is not None}
+        # a norm's input is never tapped (see NormTap); its gradient comes from the norm's tap
+        norm_inputs = {n.site_in for n in layout.norms}
+        self._taps = [p.name not in norm_inputs for p in self.points]
+        self._marks = [p.name not in norm_inputs or p.name in tapped_in for p in self.points]
+        self._stack_pos = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
+        self._widths = {st.name: (st.width, len(st.sites)) for st in layout.stacks}
+        self.handles: list = []
+
+    # -- installation -------------------------------------------------------------------
+    def install(self) -> None:
+        """Registers every hook (once per Recorder)."""
+        self.handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        for j, norm in enumerate(self.layout.norms):  # before the site taps: sees the norm's raw output
+            self.handles.append(norm.module.register_forward_hook(self._norm_hook(j)))
+        for i, p in enumerate(self.points):
+            if p.where == "output":
+                self.handles.append(p.module.register_forward_hook(self._output_hook(i)))
+            else:
+                self.handles.append(p.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
+
+    def remove(self) -> None:
+        """Removes every hook and lets the buffers go."""
+        self.on = False
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.probe = self.fwd = None
+        self.snapshots.clear()
+
+    # -- per recorded step ----------------------------------------------------------------
+    def begin(self, device: torch.device, *, value: bool, grad: bool, wsig: bool, cosine: bool,
+              cosine_tokens: int, generator: torch.Generator) -> None:
+        """Arms the hooks for one recorded step."""
+        if self.device != device or self.probe is None:
+            self.device = device
+            self.probe = torch.zeros(self.n_taps, device=device, requires_grad=True)
+            self.probe.register_post_accumulate_grad_hook(self._on_backward)
+            self.fwd = torch.zeros(self.n_slots, FWD, device=device)
+            self.cos_rows, self.cos_weight, self.cos_written = {}, {}, {}
+        self.probe.grad = None
+        self.fwd.zero_()
+        self.snapshots.clear()
+        self.want_value, self.want_grad, self.want_wsig, self.want_cosine = value, grad, wsig, cosine
+        if cosine:
+            self.cosine_tokens = cosine_tokens
+            self.cos_offset = torch.rand((), generator=generator).to(device)
+            for name, (width, n) in self._widths.items():
+                if width is not None and name not in self.cos_rows:
+                    self.cos_rows[name] = torch.zeros(n, cosine_tokens, width, device=device)
+                    self.cos_weight[name] = torch.zeros(cosine_tokens, device=device)
+                    self.cos_written[name] = torch.zeros(n, device=device)
+            for name in self.cos_rows:
+                self.cos_rows[name].zero_()
+                self.cos_weight[name].zero_()
+                self.cos_written[name].zero_()
+        self.calls = [0] * len(self.calls)
+        self.recalls = [0] * len(self.calls)
+        self.seq = 0
+        self.on = True
+
+    def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
+        """Disarms the hooks; returns the step's snapshots (grad², forward buffer) per
+        backward, a last one for forward work after the last backward, and the call counts."""
+        self.on = False
+        zero = torch.zeros(self.n_taps, device=self.device)
+        self.snapshots.append((zero, self.fwd.clone()))
+        snapshots, self.snapshots = self.snapshots, []
+        return snapshots, list(self.calls)
+
+    def _on_backward(self, probe: torch.Tensor) -> None:
+        """Post-accumulate hook of the probe: one snapshot per backward that reached a tap."""
+        self.snapshots.append((probe.grad, self.fwd.clone()))
+        probe.grad = None
+        self.fwd.zero_()
+        self.recalls = [0] * len(self.recalls)
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _root_pre(self, module, args, kwargs):
+        if not self.on:
+            return None
+        self.calls = [0] * len(self.calls)
+        self.recalls = [0] * len(self.recalls)
+        self.seq = 0
+        if self.want_cosine:
+            self.masks = self.token_masks(args, kwargs)
+        return None
+
+    def _call(self, i: int) -> tuple[int, bool]:
+        """(call index clipped to max_calls, inside a recompute) for the next call of counter ``i``."""
+        if _in_backward():
+            calls = max(self.calls[i], 1)
+            c = calls - 1 - self.recalls[i] % calls  # recomputes run in reverse order of the forward
+            self.recalls[i] += 1
+            return min(c, self.K - 1), True
+        c = self.calls[i]
+        self.calls[i] = c + 1
+        return min(c, self.K - 1), False
+
+    def _observe(self, i: int, t: torch.Tensor) -> torch.Tensor | None:
+        """Statistics of one site value; returns the tapped value (or None to keep it)."""
+        c, recompute = self._call(i)
+        slot = i * self.K + c
+        grad = self.want_grad and t.requires_grad and torch.is_grad_enabled()
+        tap = grad and self._taps[i]
+        if not recompute:
+            self.seq += 1
+            self.fwd[slot, 0] = self.seq if grad and self._marks[i] else -self.seq
+            if self.want_value:
+                self.fwd[slot, 1] = torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+            if self.want_cosine and slot % self.K == 0:
+                self._cosine(self.points[i].name, t)
+        return Tap.apply(t, self.probe, slot) if tap else None
+
+    def _output_hook(self, i: int):
+        def hook(module, args, output):
+            if not self.on:
+                return None
+            t = first_tensor(output)
+            if t is None or not t.is_floating_point():
+                return None
+            new = self._observe(i, t)
+            return None if new is None else _replace_first(output, new)
+
+        return hook
+
+    def _input_hook(self, i: int):
+        def hook(module, args, kwargs):
+            if not self.on:
+                return None
+            found = main_input(args, kwargs)
+            if found is None:
+                return None
+            where, t = found
+            new = self._observe(i, t)
+            if new is None:
+                return None
+            if isinstance(where, int):
+                return (*args[:where], new, *args[where + 1:]), kwargs
+            return args, {**kwargs, where: new}
+
+        return hook
+
+    def _norm_hook(self, j: int):
+        """Output hook on a norm: its w/σ, and the tap that gives the gradient through it."""
+        counter, kind, point = len(self.points) + j, self._norm_kind[j], self._norm_in[j]
+
+        def hook(module, args, output):
+            if not self.on:
+                return None
+            found, y = main_input(args, {}), first_tensor(output)
+            if found is None or y is None or found[1].shape != y.shape:
+                return None
+            x = found[1]
+            c, recompute = self._call(counter)
+            grad = kind is not None and point is not None and self.want_grad and y.requires_grad and torch.is_grad_enabled()
+            gain = None
+            if kind == "fit" and (grad or self.want_wsig) and not recompute:
+                gain = norm_gain(module, kind, x, y)
+                self.fwd[self.n_taps + j * self.K + c, 2] = gain[4]
+            if self.want_wsig and not recompute:
+                value = w_over_sigma(module, x, y)
+                if value is not None:
+                    slot = self.n_taps + j * self.K + c
+                    self.fwd[slot, 0] = 1.0
+                    self.fwd[slot, 1] = value
+            if not grad:
+                return None
+            w, is_ln, eps, dims, _ = gain if gain is not None else norm_gain(module, kind, x, y)
+            tapped = NormTap.apply(y, x, self.probe, point * self.K + c, kind, w, is_ln, eps, dims)
+            return _replace_first(output, tapped)
+
+        return hook
+
+    # -- cosine -----------------------------------------------------------------------------
+    def _cosine(self, site: str, t: torch.Tensor) -> None:
+        """Sampled, normalised token rows of a stack output (Takase Fig. 5): every token when
+        the batch has at most ``cosine_tokens``, else ``cosine_tokens`` tokens stratified
+        over the batch (evenly spaced, with a random offset drawn by the Recorder's generator)."""
+        where = self._stack_pos.get(site)
+        if where is None or where[0] not in self.cos_rows:
+            return
+        stack, pos = where
+        rows = self.cos_rows[stack]
+        flat = t.detach().reshape(-1, t.shape[-1])  # (B*T, d)
+        if flat.shape[1] != rows.shape[2]:
+            return  # the stack changes width: no cosine
+        n, k = flat.shape[0], self.cosine_tokens
+        if n <= k:  # every token, once
+            idx = torch.arange(n, device=flat.device)
+        else:
+            idx = ((torch.arange(k, device=flat.device) + self.cos_offset) * (n / k)).long().clamp_(max=n - 1)
+        m = idx.shape[0]
+        rows[pos, :m] = F.normalize(flat[idx].float(), dim=-1)
+        self.cos_written[stack][pos] = 1.0
+        if pos == 0:
+            mask = self.masks.get(stack)
+            if mask is not None and mask.numel() == n:
+                self.cos_weight[stack][:m] = mask.reshape(-1).to(flat.device)[idx].float()
+            else:
+                self.cos_weight[stack][:m] = 1.0
+
+    def cosine_matrices(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Stack -> (S, written): S[i, j] = weighted mean over sampled tokens of
+        cos(y_i[t], y_j[t]); ``written`` marks the outputs sampled this step (a matrix with
+        an unwritten row is dropped on the host)."""
+        out = {}
+        for name, Y in self.cos_rows.items():
+            w = self.cos_weight[name]
+            out[name] = (torch.einsum("ikd,jkd,k->ij", Y, Y, w) / w.sum().clamp_min(1.0), self.cos_written[name])
+        return out

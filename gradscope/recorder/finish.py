@@ -1,0 +1,77 @@
+"""From a recorded step's host values to table rows: micro-steps, unscaling, quantities.
+
+Runs once per recorded step on the numbers that just reached the host; no device work.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradscope.recorder.capture import FWD
+from gradscope.recorder.quantities import REGISTRY, StepData
+
+MISFIT = 1e-4  # a fitted norm whose residual exceeds this share of Var(y) is not of the form g·x̂ + b
+
+SCALE = "__scale__"
+
+
+def micro_steps(snapshots: np.ndarray, n_taps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Splits the captured snapshots into micro-steps: (grad², order, value), each (M, ·).
+
+    Each snapshot is one backward's ‖grad‖² per tap followed by the forward buffer. A
+    snapshot with no forward call since the one before (the inner backward of reentrant
+    checkpointing) adds its gradients to that micro-step; a last snapshot with neither is
+    dropped.
+    """
+    grads, fwd = snapshots[:, :n_taps], snapshots[:, n_taps:].reshape(len(snapshots), -1, FWD)
+    keep_g, keep_o, keep_v, misfit = [], [], [], fwd[:, :, 2].max(axis=0)
+    for g, f in zip(grads, fwd):
+        called = bool((f[:, 0] != 0).any())
+        if not called:
+            if keep_g:
+                keep_g[-1] = keep_g[-1] + g
+            continue
+        keep_g.append(g.copy())
+        keep_o.append(f[:, 0])
+        keep_v.append(f[:, 1])
+    if not keep_g:
+        n = fwd.shape[1]
+        return np.zeros((0, n_taps)), np.zeros((0, n)), np.zeros((0, n)), misfit
+    return np.stack(keep_g), np.stack(keep_o), np.stack(keep_v), misfit
+
+
+def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, wants: set[str],
+              params_unscaled: bool) -> tuple[list, np.ndarray, StepData]:
+    """The rows of one recorded step, in the quantities' registry order.
+
+    Gradient norms are divided by the GradScaler scale (key ``__scale__``); parameter norms
+    only if the user had not unscaled them already.
+    """
+    values = np.asarray(values, dtype=np.float64).copy()
+    scale = next((values[i] for i, k in enumerate(keys) if k[4] == SCALE), None)
+    device: dict[str, list] = {}
+    for k, v in zip(keys, values):
+        if k[4] == SCALE:
+            continue
+        if scale is not None and k[4] == "param_grad_norm" and not params_unscaled:
+            v = v / scale
+        device.setdefault(k[4], []).append((k, float(v)))
+    grad_sq, order, value, misfit = micro_steps(blocks["snapshots"], len(points) * K)
+    base, index = len(points) * K, {p.name: i for i, p in enumerate(points)}
+    unfit = {n.name for j, n in enumerate(layout.norms) if (misfit[base + j * K: base + (j + 1) * K] > MISFIT).any()}
+    for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows
+        if n.name in unfit and n.site_in in index:
+            i = index[n.site_in]
+            grad_sq[:, i * K:(i + 1) * K] = 0
+            order[:, i * K:(i + 1) * K] = -np.abs(order[:, i * K:(i + 1) * K])
+    if scale is not None:
+        grad_sq = grad_sq / (scale * scale)
+    data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit)
+    rows: list = []
+    for name, quantity in REGISTRY.items():
+        if name in wants and not quantity.logged:
+            rows += quantity.rows(data)
+    for name, extra in device.items():  # what the loop logged itself, wanted or not
+        if name not in REGISTRY or REGISTRY[name].logged:
+            rows += extra
+    return [k for k, _ in rows], np.array([v for _, v in rows], dtype=np.float64), data

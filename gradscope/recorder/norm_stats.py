@@ -1,0 +1,192 @@
+"""w/σ of a normalisation layer from the input and output of one call (Xu 2020 Table 2).
+
+``ln_w_over_sigma`` = mean over tokens t and features f of g_f / σ_t: σ_t is what the norm
+divides token t by, g_f the per-feature gain it then applies. Below 1, the norm shrinks the
+residual stream it reads.
+
+- ``nn.LayerNorm``: σ_t = sqrt(Var(x_t) + eps) over the normalised dimensions, g = weight.
+- ``nn.RMSNorm``: σ_t = sqrt(mean(x_t²) + eps), g = weight.
+- gradscope's ``ScaleNorm`` (g·x/max(‖x‖, eps), Nguyen & Salazar Eq. 7): in the same units
+  (x/σ of unit RMS) σ_t = ‖x_t‖/√d and the gain is g/√d, so g_f/σ_t = g/max(‖x_t‖, eps).
+- Any other token-wise norm (nanoGPT's LayerNorm, HF ``LlamaRMSNorm``, ``T5LayerNorm``,
+  Gemma's x·(1+w), x-transformers' norms): the recorder does not know how the module
+  parametrises its gain, so it reads it from what the call did. Both candidate
+  normalisations x̂ = (x-μ)/σ and x/σ (with the module's ``eps``, ``variance_epsilon`` or
+  ``epsilon``, else 1e-6) are fitted per feature as y ≈ g·x̂ + b by least squares over the
+  call's tokens; the better fit names the normalisation and gives g. Exact (to rounding)
+  for any norm of that form, whatever its parametrisation.
+- Batch, group and instance norms divide by statistics over the batch, not per token:
+  no value.
+
+The same forms give the gradient through a norm alone (``ln_gain``'s numerator and the
+``<norm>.in`` site) from the norm's input and the gradient at its output, computed in the
+backward of the tap on the norm's output (:func:`isolated_grad_sq`). A tap on the norm's
+input would group the gradient's summands differently from autograd when the norm uses its
+input twice (RMSNorm, ScaleNorm) and so change training in the last bit.
+
+Nothing here runs the norm again; every function reads the call's own tensors.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from gradscope.models.norms import ScaleNorm
+
+_EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+_BATCH_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm)
+
+
+def norm_eps(module: nn.Module, default: float = 1e-6) -> float:
+    """The epsilon a norm adds to its variance (the first of eps, variance_epsilon, epsilon)."""
+    for attr in _EPS_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, (int, float)):
+            return float(value)
+    return default
+
+
+def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+    """mean_{t,f} g_f / σ_t for one call of ``module`` with input ``x`` and output ``y``
+    (0-d float32 tensor), or None for norms with no per-token σ."""
+    if isinstance(module, _BATCH_NORMS):
+        return None
+    x = x.detach()
+    if isinstance(module, nn.LayerNorm):
+        dims = tuple(range(-len(module.normalized_shape), 0))
+        sigma = torch.sqrt(x.float().var(dim=dims, unbiased=False) + module.eps)
+        return _gain(module.weight) * sigma.reciprocal().mean()
+    if isinstance(module, nn.RMSNorm):
+        dims = tuple(range(-len(module.normalized_shape), 0))
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        sigma = torch.sqrt(x.float().pow(2).mean(dim=dims) + eps)
+        return _gain(module.weight) * sigma.reciprocal().mean()
+    if isinstance(module, ScaleNorm):
+        norm = torch.linalg.vector_norm(x.float(), dim=-1).clamp_min(module.eps)
+        return (module.g.detach().float() / norm).mean()
+    return _fitted(x, y.detach(), norm_eps(module))
+
+
+def _gain(weight: torch.Tensor | None) -> torch.Tensor | float:
+    return 1.0 if weight is None else weight.detach().float().mean()
+
+
+def _fitted(x: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """w/σ of a last-dimension norm y = g·x̂ + b, x̂ LayerNorm's or RMSNorm's, g fitted."""
+    d = x.shape[-1]
+    xs = x.reshape(-1, d).double()
+    ys = y.reshape(-1, d).double()
+    if xs.shape[0] < 2:
+        return None  # one token: a per-feature gain cannot be told from a bias
+    inv_ln = torch.rsqrt(xs.var(dim=-1, unbiased=False, keepdim=True) + eps)
+    inv_rms = torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps)
+    g_ln, res_ln = _fit_gain((xs - xs.mean(dim=-1, keepdim=True)) * inv_ln, ys)
+    g_rms, res_rms = _fit_gain(xs * inv_rms, ys)
+    value_ln, value_rms = g_ln.mean() * inv_ln.mean(), g_rms.mean() * inv_rms.mean()
+    return torch.where(res_ln <= res_rms, value_ln, value_rms).float()  # the better fit, with no host sync
+
+
+def _fit_gain(xhat: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-feature least squares y ≈ g·x̂ + b over tokens: (g, mean squared residual)."""
+    xc = xhat - xhat.mean(dim=0)
+    yc = y - y.mean(dim=0)
+    g = (xc * yc).sum(dim=0) / (xc * xc).sum(dim=0).clamp_min(math.ulp(1.0))
+    residual = (yc - g * xc).pow(2).mean()
+    return g, residual
+
+
+# -- the gradient through a norm alone, from its input and the gradient at its output -----
+def norm_kind(module: nn.Module) -> str | None:
+    """How :func:`isolated_grad_sq` differentiates ``module``: ``"ln"``, ``"rms"``,
+    ``"scale"``, ``"fit"`` (a foreign norm, its form and gain fitted per call) or None."""
+    if isinstance(module, nn.modules.batchnorm._BatchNorm):
+        return "bn"
+    if isinstance(module, _BATCH_NORMS):
+        return None
+    if isinstance(module, nn.LayerNorm):
+        return "ln"
+    if isinstance(module, nn.RMSNorm):
+        return "rms"
+    if isinstance(module, ScaleNorm):
+        return "scale"
+    return "fit"
+
+
+def norm_gain(module: nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor):
+    """(per-feature gain, 0-d bool "LayerNorm-like" or None, eps, normalised dims, misfit)
+    of one call. ``misfit`` (0-d, fitted norms only, else None) is the fit's mean squared
+    residual over Var(y): far from 0 when the output is not g·x̂ + b with one gain per
+    feature (an adaptive norm whose gain depends on the token), and the isolated gradient
+    of such a norm cannot be had without re-running it."""
+    if kind in ("ln", "rms"):
+        dims = len(module.normalized_shape)
+        w = module.weight.detach().float().reshape(-1) if module.weight is not None else None
+        eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
+        return w, None, eps, dims, None
+    if kind == "scale":
+        return module.g.detach().float(), None, module.eps, 1, None
+    if kind == "bn":
+        return _bn_gain(module, x)
+    d, eps = x.shape[-1], norm_eps(module)
+    xs, ys = x.detach().reshape(-1, d).double(), y.detach().reshape(-1, d).double()
+    inv_ln = torch.rsqrt(xs.var(dim=-1, unbiased=False, keepdim=True) + eps)
+    g_ln, res_ln = _fit_gain((xs - xs.mean(dim=-1, keepdim=True)) * inv_ln, ys)
+    g_rms, res_rms = _fit_gain(xs * torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps), ys)
+    is_ln = res_ln <= res_rms
+    misfit = torch.minimum(res_ln, res_rms) / ys.var().clamp_min(1e-30)
+    return torch.where(is_ln, g_ln, g_rms).float(), is_ln, eps, 1, misfit.float()
+
+
+def _bn_gain(module: nn.Module, x: torch.Tensor):
+    """A batch norm's gain per channel, and whether it normalises with the batch's own
+    statistics (training, or no running statistics) or with its running ones (eval)."""
+    C = module.num_features
+    w = module.weight.detach().float() if module.weight is not None else torch.ones(C, device=x.device)
+    batch_stats = module.training or not module.track_running_stats
+    if not batch_stats:
+        w = w * torch.rsqrt(module.running_var.detach().float() + module.eps)
+    return w, None, module.eps, (1 if x.shape[1] == C else -1, batch_stats), None
+
+
+def isolated_grad_sq(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps: float, dims: int) -> torch.Tensor:
+    """‖Jᵀg‖², J the norm's Jacobian at x: the squared norm of the gradient that flows back
+    through the norm alone. Closed forms (x̂ the normalised input, ĝ = w⊙g, r = 1/σ):
+    LayerNorm r(ĝ − mean ĝ − x̂·mean(ĝx̂)); RMSNorm r(ĝ − x̂·mean(ĝx̂)); ScaleNorm
+    (s/‖x‖)(g − x̂(x̂·g)); a batch norm in training LayerNorm's form over the batch per
+    channel, in eval w·g/sqrt(running var + eps). Computed in fp32 from the call's own
+    tensors."""
+    if kind == "bn":
+        (channel, batch_stats), C = dims, x.shape[dims[0]]
+        x2 = x.detach().movedim(channel, 0).reshape(C, -1).float()  # (C, everything else)
+        g2 = g.movedim(channel, 0).reshape(C, -1).float()
+        if not batch_stats:
+            return (w[:, None] * g2).square().sum()
+        x, g, w, dims = x2, g2, w[:, None], 1  # LayerNorm's form: one row per channel, normalised over the batch
+        kind = "ln"
+    D = math.prod(x.shape[-dims:])
+    x2, g2 = x.detach().reshape(-1, D).float(), g.reshape(-1, D).float()
+    if kind == "scale":
+        n = torch.linalg.vector_norm(x2, dim=-1, keepdim=True)
+        xh = x2 / n.clamp_min(eps)
+        jt = torch.where(n > eps, (w / n.clamp_min(eps)) * (g2 - xh * (xh * g2).sum(-1, keepdim=True)), (w / eps) * g2)
+        return jt.square().sum()
+    gh = g2 if w is None else g2 * w
+
+    def ln() -> torch.Tensor:
+        r = torch.rsqrt(x2.var(dim=-1, unbiased=False, keepdim=True) + eps)
+        xh = (x2 - x2.mean(dim=-1, keepdim=True)) * r
+        return (r * (gh - gh.mean(-1, keepdim=True) - xh * (gh * xh).mean(-1, keepdim=True))).square().sum()
+
+    def rms() -> torch.Tensor:
+        r = torch.rsqrt(x2.square().mean(dim=-1, keepdim=True) + eps)
+        xh = x2 * r
+        return (r * (gh - xh * (gh * xh).mean(-1, keepdim=True))).square().sum()
+
+    if kind == "ln":
+        return ln()
+    if kind == "rms":
+        return rms()
+    return torch.where(is_ln, ln(), rms())

@@ -1,0 +1,287 @@
+"""Every quantity in one registry (Cockpit style): what it captures, its schedule, its rows.
+
+A quantity class names the in-graph captures it needs (``value``: a site's forward norm;
+``grad``: the tap's ‖∂loss/∂h‖²; ``wsig``: a norm's w/σ; ``cosine``: sampled layer-output
+rows), whether it is *slow* (taken every ``slow_every`` recorded steps), what it computes on
+the device at the end of a step (``collect``), and how the step's host values become table
+rows (``rows``). Adding a quantity is one class here plus its name in ``gradscope.table``.
+
+Row keys are ``(micro_step, stack, layer, site, quantity, layer_j, role)``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from gradscope.recorder.layout import Layout, Probe
+from gradscope.recorder.store import StepBuffer
+
+Row = tuple[tuple, float]
+
+
+@dataclass
+class StepData:
+    """One recorded step on the host, after its single device→host transfer.
+
+    ``grad_sq`` (M, points·K) holds ‖∂loss/∂h‖² per micro-step and slot, already unscaled;
+    ``order`` (M, slots) the forward order of each slot's call (+ tapped, − not tapped, 0 not
+    called); ``value`` (M, slots) the forward statistic (‖h‖ for sites, w/σ for norms).
+    """
+
+    layout: Layout
+    points: list[Probe]
+    K: int
+    grad_sq: np.ndarray
+    order: np.ndarray
+    value: np.ndarray
+    device: dict[str, list[Row]] = field(default_factory=dict)  # rows computed on the device
+    blocks: dict[str, np.ndarray] = field(default_factory=dict)  # raw arrays from the device
+    unfit: set[str] = field(default_factory=set)  # norms whose output is not g·x̂ + b (adaptive norms)
+
+    @property
+    def micro_steps(self) -> int:
+        return self.grad_sq.shape[0]
+
+    def micro(self, m: int) -> int:
+        """The micro_step column for micro-step m (-1 when the step had only one)."""
+        return m if self.micro_steps > 1 else -1
+
+    def slot_sites(self):
+        """(point, call, slot, site name) of every (site, call) slot called in the step."""
+        seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | (self.grad_sq != 0).any(axis=0)
+        for slot in np.flatnonzero(seen):
+            i, c = divmod(int(slot), self.K)
+            p = self.points[i]
+            yield p, c, int(slot), call_name(p.name, c)
+
+
+def call_name(name: str, call: int) -> str:
+    """Site name of the call-th (0-based) call of a module: ``name``, ``name#2``, ..."""
+    return name if call == 0 else f"{name}#{call + 1}"
+
+
+def _rss(values) -> float:
+    return math.sqrt(float(np.sum(np.square(values))))
+
+
+class Quantity:
+    """Base class: a quantity with no capture and no rows."""
+
+    name: str = ""
+    captures: frozenset[str] = frozenset()
+    slow: bool = False
+    logged: bool = False  # values come from ``rec.log``, whatever the quantities asked for
+
+    def collect(self, rec, buf: StepBuffer) -> None:
+        """Device work at the end of a recorded step (values go into ``buf``)."""
+
+    def rows(self, data: StepData) -> list[Row]:
+        """Table rows of the step."""
+        return data.device.get(self.name, [])
+
+
+class ActNorm(Quantity):
+    """‖h‖₂ of a site's forward value; the accumulated row is the norm over all micro-batches."""
+
+    name, captures = "act_norm", frozenset({"value"})
+
+    def rows(self, data):
+        out = []
+        for p, c, slot, site in data.slot_sites():
+            called = data.order[:, slot] != 0
+            if not called.any():
+                continue
+            vals = data.value[called, slot]
+            if data.micro_steps > 1:
+                out += [((m, p.stack, p.layer, site, self.name, None, p.role), float(data.value[m, slot]))
+                        for m in np.flatnonzero(called)]
+            out.append(((-1, p.stack, p.layer, site, self.name, None, p.role), _rss(vals)))
+        return out
+
+
+class ActGradNorm(Quantity):
+    """‖∂loss/∂h‖₂ over the whole tensor crossing a site (Takase Fig. 3-4)."""
+
+    name, captures = "act_grad_norm", frozenset({"grad"})
+
+    def rows(self, data):
+        out = []
+        for p, c, slot, site in data.slot_sites():
+            got = (data.order[:, slot] > 0) | (data.grad_sq[:, slot] != 0)
+            if not got.any():
+                continue
+            if data.micro_steps > 1:
+                out += [((m, p.stack, p.layer, site, self.name, None, p.role), math.sqrt(data.grad_sq[m, slot]))
+                        for m in np.flatnonzero(got)]
+            out.append(((-1, p.stack, p.layer, site, self.name, None, p.role), math.sqrt(data.grad_sq[got, slot].sum())))
+        return out
+
+
+class NonFinite(Quantity):
+    """Sites whose value (``nonfinite``) or gradient (``nonfinite_grad``) held a NaN/Inf, in
+    order of appearance (forward order; backward runs in reverse), value 0 first."""
+
+    name, captures = "nonfinite", frozenset({"value", "grad"})
+
+    def rows(self, data):
+        out = []
+        for m in range(data.micro_steps):
+            fwd, bwd = [], []
+            for p, c, slot, site in data.slot_sites():
+                order = abs(data.order[m, slot])
+                if order and not math.isfinite(data.value[m, slot]):
+                    fwd.append((order, p, site))
+                if not math.isfinite(data.grad_sq[m, slot]):
+                    bwd.append((-order, p, site))
+            for quantity, found in (("nonfinite", fwd), ("nonfinite_grad", bwd)):
+                for rank, (_, p, site) in enumerate(sorted(found, key=lambda f: f[0])):
+                    out.append(((data.micro(m), p.stack, p.layer, site, quantity, None, p.role), float(rank)))
+        return out
+
+
+class LnGain(Quantity):
+    """‖grad at the norm's input through the norm alone‖ / ‖grad at its output‖ (Takase §3):
+    the factor by which backward through that norm scales the gradient."""
+
+    name, captures = "ln_gain", frozenset({"grad"})
+
+    def rows(self, data):
+        index = {p.name: i for i, p in enumerate(data.points)}
+        out = []
+        for norm in data.layout.norms:
+            if norm.site_in not in index or norm.site_out not in index or norm.name in data.unfit:
+                continue
+            for c in range(data.K):
+                s_in, s_out = index[norm.site_in] * data.K + c, index[norm.site_out] * data.K + c
+                got = (data.order[:, s_in] > 0) & (data.order[:, s_out] > 0)
+                if not got.any():
+                    continue
+                site = call_name(norm.name, c)
+                key = (norm.stack, norm.layer, site, self.name, None, "")
+                if data.micro_steps > 1:
+                    out += [((m, *key), _ratio(math.sqrt(data.grad_sq[m, s_in]), math.sqrt(data.grad_sq[m, s_out])))
+                            for m in np.flatnonzero(got)]
+                out.append(((-1, *key), _ratio(math.sqrt(data.grad_sq[got, s_in].sum()),
+                                               math.sqrt(data.grad_sq[got, s_out].sum()))))
+        return out
+
+
+class WOverSigma(Quantity):
+    """mean over tokens and features of w/σ per norm call (Xu 2020 Table 2); the accumulated
+    row averages the micro-steps. See :mod:`gradscope.recorder.norm_stats`."""
+
+    name, captures = "ln_w_over_sigma", frozenset({"wsig"})
+
+    def rows(self, data):
+        out = []
+        base = len(data.points) * data.K
+        for j, norm in enumerate(data.layout.norms):
+            if norm.name in data.unfit:
+                continue
+            for c in range(data.K):
+                slot = base + j * data.K + c
+                got = data.order[:, slot] != 0
+                if not got.any():
+                    continue
+                key = (norm.stack, norm.layer, call_name(norm.name, c), self.name, None, "")
+                if data.micro_steps > 1:
+                    out += [((m, *key), float(data.value[m, slot])) for m in np.flatnonzero(got)]
+                out.append(((-1, *key), float(data.value[got, slot].mean())))
+        return out
+
+
+class Cosine(Quantity):
+    """S[i, j] = mean over sampled non-pad tokens of cos(y_i, y_j), y_0 the embedding (Takase Fig. 5)."""
+
+    name, captures, slow = "cosine", frozenset({"cosine"}), True
+
+    def collect(self, rec, buf):
+        for stack, (matrix, written) in rec._capture.cosine_matrices().items():
+            buf.add_matrix(-1, stack, f"{stack}.layers", self.name, matrix)
+            buf.add_block(f"cosine_written:{stack}", written)
+
+    def rows(self, data):
+        complete = {k.split(":", 1)[1] for k, w in data.blocks.items() if k.startswith("cosine_written:") and w.all()}
+        return [r for r in data.device.get(self.name, []) if r[0][1] in complete]
+
+
+class ParamGradNorm(Quantity):
+    """‖grad‖ of parameters per layer, per sub-layer, per embedding, and in total (site "")."""
+
+    name = "param_grad_norm"
+
+    def collect(self, rec, buf):
+        norms = rec.groups.group_norms(rec.groups.grads())
+        if norms is not None:
+            keys = [(-1, s, lay, g, self.name, None, "") for g, (s, lay) in zip(rec.groups.groups, rec.groups.positions)]
+            buf.add_many(keys, norms)
+
+
+class DlclWeight(Quantity):
+    """DLCL W[r, k] (lower triangle) and transparent-attention weights (Wang 2019 Fig. 5)."""
+
+    name = "dlcl_weight"
+
+    def collect(self, rec, buf):
+        for name, mixer in rec.layout.mixers.items():
+            stack = name.split(".")[0] if name.startswith(("encoder", "decoder")) else ""
+            buf.add_matrix(-1, stack, name, self.name, mixer.mixing_weights())
+
+    def rows(self, data):
+        return [r for r in data.device.get(self.name, [])
+                if not (r[0][3].endswith("combine") and r[0][5] > r[0][2])]
+
+
+class ScaleNormG(Quantity):
+    """The learned g of every ScaleNorm (Nguyen & Salazar 2019)."""
+
+    name = "scalenorm_g"
+
+    def collect(self, rec, buf):
+        for norm in rec.layout.norms:
+            g = getattr(norm.module, "g", None)
+            if isinstance(g, torch.Tensor) and g.dim() == 0:
+                buf.add((-1, norm.stack, norm.layer, norm.name, self.name, None, ""), g.detach().float().reshape(()))
+
+
+class Lr(Quantity):
+    """The optimizer's learning rate (first group), when the Recorder was given the optimizer."""
+
+    name = "lr"
+
+    def collect(self, rec, buf):
+        if rec._lr_from_optimizer and rec.optimizer is not None:
+            buf.add_float((-1, "", None, "", self.name, None, ""), float(rec.optimizer.param_groups[0]["lr"]))
+
+
+class Logged(Quantity):
+    """A scalar the training loop logs itself (``rec.log("loss", loss)``)."""
+
+    logged = True
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+
+class UpdateRatio(Quantity):
+    """‖Δθ‖/‖θ‖ per parameter group around ``optimizer.step()`` (rows written by the Recorder's
+    optimizer hooks, after the step's other rows)."""
+
+    name, slow = "update_ratio", True
+
+
+REGISTRY: dict[str, Quantity] = {
+    q.name: q for q in (
+        ActGradNorm(), ActNorm(), ParamGradNorm(), LnGain(), Logged("loss"), Lr(), NonFinite(), WOverSigma(),
+        Cosine(), DlclWeight(), ScaleNormG(), UpdateRatio(), Logged("val_loss"),
+    )
+}
+"""Quantity name -> its class instance. ``nonfinite_grad`` rows come with ``nonfinite``."""
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b != 0 else (math.nan if a == 0 else math.inf)
