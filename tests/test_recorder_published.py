@@ -46,9 +46,7 @@ def _ids(shape=(B, T), seed=0, low=0):
 
 # -- nanoGPT (Karpathy's model.py, trimmed) ----------------------------------------------------
 class LayerNorm(nn.Module):
-    """nanoGPT's LayerNorm: optional bias, F.layer_norm."""
-
-    eps = 1e-5
+    """nanoGPT's LayerNorm: optional bias, F.layer_norm; eps is a literal, not an attribute."""
 
     def __init__(self, ndim, bias=True):
         super().__init__()
@@ -56,7 +54,7 @@ class LayerNorm(nn.Module):
         self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
 
     def forward(self, input):
-        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, self.eps)
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
 
 
 class CausalSelfAttention(nn.Module):
@@ -386,7 +384,7 @@ def w_over_sigma_reference(module: nn.Module, x: torch.Tensor) -> float | None:
     cls = type(module).__name__
     if isinstance(module, (nn.LayerNorm, LayerNorm)):
         nd = len(module.normalized_shape) if isinstance(module, nn.LayerNorm) else 1
-        sigma = torch.sqrt(x.var(dim=tuple(range(-nd, 0)), unbiased=False) + module.eps)
+        sigma = torch.sqrt(x.var(dim=tuple(range(-nd, 0)), unbiased=False) + getattr(module, "eps", 1e-5))
         gain = module.weight if module.weight is not None else torch.ones(x.shape[-nd:])
     elif cls in ("LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "T5LayerNorm"):
         sigma, gain = torch.sqrt(x.pow(2).mean(-1) + module.variance_epsilon), module.weight

@@ -1,0 +1,86 @@
+"""Child process for tests/test_recorder_compile.py: trains one model for 5 Adam steps in
+one mode and writes its parameters, table and Dynamo counters to a directory.
+
+Usage: python compile_child.py {pre_ln,post_ln,llama} {plain,recorded,eager} OUT_DIR
+
+``plain``: torch.compile(fullgraph=True), no recorder ever attached. ``recorded``: a
+Recorder(every=2) made first, then the same compile. ``eager``: the Recorder on the
+uncompiled model. Each mode runs in its own process so compile caches stay apart."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch._dynamo.utils import counters
+
+import gradscope
+from zoo_cases import batch, tiny
+
+STEPS = 5
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    if name == "llama":
+        import transformers
+
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+        model = transformers.LlamaForCausalLM(cfg)
+
+        def data(step):
+            ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+            return (ids,), ids
+
+        def loss_fn(out, target):
+            logits = out.logits
+            return F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten())
+
+        return model, data, loss_fn
+    model = gradscope.build_model(tiny(name, "decoder"))
+
+    def data(step):
+        inputs = batch(model.config, seed=step)
+        return inputs, inputs[-1]
+
+    def loss_fn(out, target):
+        return F.cross_entropy(out.flatten(0, 1), target.flatten())
+
+    return model, data, loss_fn
+
+
+def main(name: str, mode: str, out: str) -> None:
+    torch.set_num_threads(1)
+    model, data, loss_fn = build(name)
+    rec = gradscope.Recorder(model, every=2) if mode in ("recorded", "eager") else None
+    run = model if mode == "eager" else torch.compile(model, fullgraph=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    graphs_after_warmup = None
+    for step in range(STEPS):
+        inputs, target = data(step)
+        if rec is None:
+            loss_fn(run(*inputs), target).backward()
+        else:
+            with rec.step(step):
+                loss = loss_fn(run(*inputs), target)
+                loss.backward()
+                rec.log("loss", loss)
+        opt.step()
+        opt.zero_grad()
+        if step == 1:
+            graphs_after_warmup = counters["stats"]["unique_graphs"]
+    torch.save({n: p.detach().clone() for n, p in model.named_parameters()}, f"{out}/params.pt")
+    if rec is not None:
+        rec.save(f"{out}/table.parquet")
+        rec.close()
+    stats = {"graph_breaks": sum(counters["graph_break"].values()), "unique_graphs": counters["stats"]["unique_graphs"],
+             "graphs_after_warmup": graphs_after_warmup}
+    with open(f"{out}/stats.json", "w") as f:
+        json.dump(stats, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])
