@@ -73,8 +73,8 @@ def embed_runs(s: Settings) -> list[str]:
 
 def embed_vs_depth(df: pd.DataFrame, runs: list[str], *, ax: Axes, title: str) -> Axes:
     """g(encoder.embed.out) against encoder depth, one point per run (Wang 2019 §5)."""
-    data = S.rows(df, quantity="act_grad_norm", stack="encoder")
-    data = S.one_per_point(data.loc[data["run"].isin(runs) & (data["site"] == "encoder.embed.out")])
+    data = S.rows(df, quantity="act_grad_norm", stack="encoder", role="embed")
+    data = S.one_per_point(data.loc[data["run"].isin(runs)])
     depth = {r: S.layer_depth(S.rows(df, run=r), "encoder") for r in runs}
     data = data.assign(depth=data["run"].map(depth)).sort_values("depth")
     ax.plot(data["depth"].to_numpy(float), data["value"].to_numpy(float), marker="o", label="post_ln")

@@ -57,11 +57,11 @@ def figure(df: pd.DataFrame, s: Settings, found: list[claims.Verdict]) -> plt.Fi
     setting = f"post_ln {s.depth}L-{s.depth}L · preset {s.preset.name}"
     plots.location_norms(df, ax=left, title=f"Takase Fig. 4/7: decoder layers {list(S.default_layers(s.depth))}, "
                                             f"{setting}")
-    gains = df.loc[df["site"].str.startswith("decoder.layers").fillna(False).astype(bool)]
-    gains = gains.assign(norm=gains["site"].str.extract(r"\.(self_attn|cross_attn|ffn)\.", expand=False))
-    sub = gains.loc[gains["quantity"] == "ln_gain"]
+    gains = S.rows(df, quantity="ln_gain", stack="decoder")
+    gains = gains.loc[gains["layer"].notna()]  # the decoder layers' norms, not its final norm
+    part = S.sublayer(gains["site"])  # an ln_gain row's site is its norm's module name
     for label, name in (("self_attn", "LN1 (after SA)"), ("cross_attn", "LN2 (after CA)"), ("ffn", "LN3 (after FFN)")):
-        pts = S.one_per_point(sub.loc[sub["norm"] == label]).sort_values("layer")
+        pts = S.one_per_point(gains.loc[part == label]).sort_values("layer")
         right.plot(pts["layer"].to_numpy(float), pts["value"].to_numpy(float), marker="o", markersize=3, label=name)
     right.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="gain = 1")
     right.set_xlabel("decoder layer")

@@ -1,163 +1,67 @@
-"""Recorder overhead: step-time ratios to a plain training step, measured side by side.
+"""Recorder overhead: step-time ratios to a plain training step, eager and compiled, side by side.
 
-Every method gets its own copy of the same model and optimizer. For each repeat, one plain
-step and one step of the method run back to back, the order alternating between repeats;
-the reported number is the median over repeats of the per-pair ratio (method / plain), so
-slow drifts of a shared machine cancel. Run it on a quiet machine and say so.
+Every method gets its own copy of the same model and optimizer; one plain copy per depth and
+mode, which never has a recorder attached, is the reference. For each timed pair one plain
+step and one step of the method run back to back, the order alternating between pairs; a
+cell is the median over pairs of the per-pair ratio (method / plain), so slow drifts of a
+shared machine cancel. The load average is printed before and after: run it on a quiet
+machine and say so.
 
-    python -m benchmarks.overhead                      # 6+6, 12+12 and 24+24 layers, d=256
-    python -m benchmarks.overhead --depths 12 --repeats 30 --device cuda
-    python -m benchmarks.overhead --depths 12 --breakdown --only gradscope   # cost per quantity
+    python -m benchmarks.overhead                          # 6+6, 12+12, 24+24 layers, d=256, eager and compiled
+    python -m benchmarks.overhead --depths 12 --pairs 10   # the 6+6 reference only
+    python -m benchmarks.overhead --depths 12 --pairs 30 --device cuda
+    python -m benchmarks.overhead --depths 12 --no-compile --breakdown --only gradscope   # cost per quantity
 
-Methods: gradscope with default quantities (norms), gradscope with all quantities (cosine
-and update ratio every 10 steps), bare hooks taking one norm per site value and gradient with
-no bookkeeping (the floor for activation norms), a naive loop calling ``p.grad.norm().item()`` per
-parameter, ``wandb.watch(model, log="gradients", log_freq=1)`` offline, and Lightning's
-``grad_norm`` utility (the last two only when installed: ``pip install -e ".[bench]"``).
+Compiled column: each model copy is compiled once with ``torch.compile(fullgraph=True)``
+(the Recorder made first) and warmed up on recorded and unrecorded steps (step 0 records
+cosine, step 1 does not; the ``every=1000`` recorder records step 0 only), so no compile
+happens while timing: the script counts Dynamo graphs and Inductor compiles around the timed
+steps and rejects a cell that compiled there. A recording method's cell counts only if its
+timed steps left rows in the table; the checks table after the results says how many.
+
+Dynamo hook guards: by default Dynamo does not guard on module hooks
+(``torch._dynamo.config.skip_nnmodule_hook_guards=True``), so a model copy compiled after
+another copy of the same class reuses the graph traced from that copy, hooks or no hooks:
+a Recorder on the second copy then sees no hook fire and raises. A user with one model per
+process never meets this; this script compiles several copies in one process, so it turns
+the hook guards on (``--no-hook-guards`` reproduces the failure). The plain reference runs
+under the same guards.
+
+Methods (``benchmarks.overhead_methods``): gradscope with default quantities (norms),
+gradscope with all quantities (cosine and update ratio every 10 steps: ``every=1``,
+``slow_every=10``, so one timed step in ten records them), a Recorder attached whose steps
+are not recorded (``every=1000``: the cost of hooks passing through), bare hooks taking one
+norm per site value and gradient with no bookkeeping (the floor for activation norms; eager
+only), a naive loop calling ``p.grad.norm().item()`` per parameter,
+``wandb.watch(model, log="gradients", log_freq=1)`` offline, and Lightning's ``grad_norm``
+(the last two only when installed: ``pip install -e ".[bench]"``). Under compile the peers'
+model is compiled and their norm loops stay eager, as in a user's loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import os
 import platform
 import statistics
 import sys
-import tempfile
 import time
+import traceback
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
+from torch._dynamo.utils import counters
 
-import gradscope
+from benchmarks.overhead_methods import (METHODS, EagerOnly, Method, breakdown_methods, make_batch, make_model,
+                                         make_optimizer, plain)
 
-
-def make_model(total_layers: int, d_model: int, device: str) -> torch.nn.Module:
-    """A Pre-LN encoder–decoder with total_layers/2 layers per stack (the reference: 12 = 6+6)."""
-    torch.manual_seed(0)
-    config = gradscope.ModelConfig(variant="pre_ln", n_enc=total_layers // 2, n_dec=total_layers // 2, d_model=d_model,
-                                   n_heads=4, d_ff=4 * d_model, vocab=1000, dropout=0.1, max_len=64)
-    return gradscope.build_model(config).to(device)
-
-
-def make_batch(batch_size: int, length: int, device: str) -> tuple[torch.Tensor, ...]:
-    g = torch.Generator().manual_seed(0)
-    src = torch.randint(3, 1000, (batch_size, length), generator=g)
-    tgt = torch.randint(3, 1000, (batch_size, length + 1), generator=g)
-    return src.to(device), tgt[:, :-1].to(device), tgt[:, 1:].to(device)
-
-
-def loss_of(model, batch) -> torch.Tensor:
-    src, tgt_in, tgt_out = batch
-    logits = model(src, tgt_in)
-    return F.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), label_smoothing=0.1)
-
-
-def plain(model, opt, batch) -> Callable[[int], None]:
-    def step(i):
-        loss_of(model, batch).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
-def with_recorder(quantities: str | list[str]) -> Callable:
-    def setup(model, opt, batch):
-        rec = gradscope.Recorder(model, quantities=quantities, optimizer=opt, slow_every=10)
-
-        def step(i):
-            with rec.step(i):
-                loss = loss_of(model, batch)
-                loss.backward()
-                rec.log("loss", loss)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
-    return setup
-
-
-def naive_item(model, opt, batch):
-    def step(i):
-        loss_of(model, batch).backward()
-        _ = {n: p.grad.norm().item() for n, p in model.named_parameters() if p.grad is not None}
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
-def bare_site_norms(model, opt, batch):
-    """The floor: a forward hook per distinct site value and a tensor hook per gradient, each
-    taking one ``vector_norm`` into a list, with no bookkeeping at all (what any recorder of
-    these quantities has to do)."""
-    sites = [m for m in model.modules() if isinstance(m, gradscope.Site)]
-
-    def step(i):
-        out: list[torch.Tensor] = []
-        seen: set[int] = set()
-
-        def on_value(module, args, value):
-            if id(value) not in seen:
-                seen.add(id(value))
-                out.append(torch.linalg.vector_norm(value.detach()))
-                value.register_hook(lambda g: out.append(torch.linalg.vector_norm(g)))
-
-        handles = [m.register_forward_hook(on_value) for m in sites]
-        loss_of(model, batch).backward()
-        for h in handles:
-            h.remove()
-        torch.stack(out).tolist()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
-RUNS: list = []  # open wandb runs, finished after their method is measured
-
-
-def wandb_watch(model, opt, batch):
-    import wandb
-
-    os.environ.setdefault("WANDB_SILENT", "true")
-    run = wandb.init(mode="offline", dir=tempfile.mkdtemp(prefix="gradscope-wandb-"), project="gradscope-bench")
-    run.watch(model, log="gradients", log_freq=1)
-    RUNS.append(run)
-
-    def step(i):
-        loss = loss_of(model, batch)
-        loss.backward()
-        run.log({"loss": loss.item()})
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
-def lightning_grad_norm(model, opt, batch):
-    from lightning.pytorch.utilities import grad_norm
-
-    def step(i):
-        loss_of(model, batch).backward()
-        _ = {k: float(v) for k, v in grad_norm(model, norm_type=2).items()}  # what self.log_dict would read
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
-METHODS: dict[str, Callable] = {
-    "gradscope norms (default)": with_recorder("default"),
-    "gradscope all (cosine every 10)": with_recorder("all"),
-    "bare hooks: one vector_norm per site value and gradient": bare_site_norms,
-    "naive p.grad.norm().item() loop": naive_item,
-    "wandb.watch(log='gradients', log_freq=1) offline": wandb_watch,
-    "lightning grad_norm": lightning_grad_norm,
-}
-
-
-BREAKDOWN = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "ln_w_over_sigma", "nonfinite")
+PLAIN = "plain step (ms; the reference)"
 
 
 def timed(step: Callable[[int], None], i: int, device: str) -> float:
+    """Seconds taken by ``step(i)``, synchronising the GPU before and after on CUDA."""
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
@@ -167,77 +71,197 @@ def timed(step: Callable[[int], None], i: int, device: str) -> float:
     return time.perf_counter() - t0
 
 
-def measure(total_layers: int, args) -> dict[str, tuple[float, float, float] | str]:
-    """Method name → (median ratio, 25th, 75th percentile of per-pair ratios), or why not measured."""
-    base = make_model(total_layers, args.d_model, args.device)
-    batch = make_batch(args.batch_size, args.length, args.device)
-    results = {}
-    for name, setup in METHODS.items():
-        if args.only and not any(o in name for o in args.only):
-            continue
-        ref_model, model = copy.deepcopy(base), copy.deepcopy(base)
-        betas = (0.9, 0.98)
-        ref_step = plain(ref_model, torch.optim.Adam(ref_model.parameters(), 1e-4, betas=betas), batch)
-        try:
-            step = setup(model, torch.optim.Adam(model.parameters(), 1e-4, betas=betas), batch)
-        except ImportError as err:
-            results[name] = f"not installed ({err.name})"
-            continue
+def compiles_so_far() -> int:
+    """Dynamo graphs plus AOTAutograd and Inductor compiles (cache hits included) so far."""
+    inductor = counters["inductor"]
+    return (counters["stats"]["unique_graphs"] + counters["aot_autograd"]["total"]
+            + inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_hit"])
+
+
+def spread(ratios: list[float]) -> str:
+    """``median× (25th–75th percentile)`` of per-pair ratios."""
+    q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
+    return f"{statistics.median(ratios):.3f}× ({q[0]:.3f}–{q[2]:.3f})"
+
+
+def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[int], None], ref_times: list[float],
+                   compiled: bool, args) -> tuple[str, dict]:
+    """Times one method against the plain reference.
+
+    Args:
+        method: the method.
+        base: the model every copy is taken from.
+        batch: the fixed batch.
+        ref: the plain reference's step (already warmed up).
+        ref_times: list the plain step's timings are appended to.
+        compiled: whether the method's model copy is compiled.
+        args: the parsed command line.
+
+    Returns:
+        The table cell, and the checks of this cell (warm-up seconds, compiles during
+        warm-up and during timing, rows recorded by the timed steps).
+    """
+    model = copy.deepcopy(base)
+    opt = make_optimizer(model)
+    try:
+        runner = method.setup(model, opt, batch, compiled)
+    except ImportError as err:
+        return f"not installed ({err.name})", {}
+    except EagerOnly as err:
+        return str(err), {}
+    check: dict = {}
+    try:
+        c0, t0 = compiles_so_far(), time.perf_counter()
         for i in range(args.warmup):
-            ref_step(i)
-            step(i)
+            runner.step(i)
+        check["warm-up s"] = f"{time.perf_counter() - t0:.1f}"
+        c1 = compiles_so_far()
+        check["compiles in warm-up"] = c1 - c0
         ratios = []
-        for r in range(args.repeats):
+        for r in range(args.pairs):
             i = args.warmup + r
             if r % 2:
-                t_ref = timed(ref_step, i, args.device)
-                t = timed(step, i, args.device)
+                t_ref = timed(ref, i, args.device)
+                t = timed(runner.step, i, args.device)
             else:
-                t = timed(step, i, args.device)
-                t_ref = timed(ref_step, i, args.device)
+                t = timed(runner.step, i, args.device)
+                t_ref = timed(ref, i, args.device)
             ratios.append(t / t_ref)
-        q = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
-        results[name] = (statistics.median(ratios), q[0], q[2])
-        while RUNS:
-            RUNS.pop().finish()
-    return results
+            ref_times.append(t_ref)
+        check["compiles in timing"] = compiles_so_far() - c1
+        check["graph breaks"] = sum(counters["graph_break"].values())
+        df = runner.frame()
+        if df is not None:
+            check["rows in timed steps"] = int((df.step >= args.warmup).sum())
+            check["rows in warm-up"] = int((df.step < args.warmup).sum())
+    except Exception as err:  # report what broke, with its trace, and go on with the other methods
+        print(f"\n[{method.name}, {'compiled' if compiled else 'eager'}] failed:", file=sys.stderr)
+        traceback.print_exc()
+        return f"error: {type(err).__name__} (trace on stderr)", check
+    finally:
+        runner.finish()
+    cell = spread(ratios)
+    if check["compiles in timing"]:
+        cell = f"INVALID, compiled while timing: {cell}"
+    if method.records and not check.get("rows in timed steps"):
+        cell = f"INVALID, no rows recorded: {cell}"
+    return cell, check
+
+
+def measure(total_layers: int, args, compiled: bool, methods: list[Method]) -> tuple[dict[str, str], dict[str, dict]]:
+    """Every method at one depth, eager or compiled.
+
+    Returns:
+        Method name -> table cell, and method name -> its checks.
+    """
+    base = make_model(total_layers, args.d_model, args.device)
+    batch = make_batch(args.batch_size, args.length, args.device)
+    ref_model = copy.deepcopy(base)
+    ref = plain(ref_model, make_optimizer(ref_model), batch, compiled).step
+    c0, t0 = compiles_so_far(), time.perf_counter()
+    for i in range(args.warmup):
+        ref(i)
+    checks = {PLAIN: {"warm-up s": f"{time.perf_counter() - t0:.1f}", "compiles in warm-up": compiles_so_far() - c0}}
+    cells, ref_times = {}, []
+    for method in methods:
+        cells[method.name], checks[method.name] = measure_method(method, base, batch, ref, ref_times, compiled, args)
+        gc.collect()
+    cells = {PLAIN: f"{1e3 * statistics.median(ref_times):.1f} ms" if ref_times else "-", **cells}
+    if compiled:
+        torch._dynamo.reset()  # the next depth compiles afresh
+    return cells, checks
 
 
 def machine() -> str:
-    """One line describing where this ran."""
+    """One line describing where this runs."""
     cpu = platform.processor() or platform.machine()
     dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
     return f"{dev}; {cpu}; Python {platform.python_version()}; torch {torch.__version__}"
 
 
-def main(argv: list[str] | None = None) -> int:
+def load_line(when: str) -> str:
+    """The 1/5/15-minute load average, with a warning when something else seems to be running."""
+    one, five, fifteen = os.getloadavg()
+    warn = ""
+    if when == "before" and one > 0.5:
+        warn = f"  WARNING: load {one:.2f} before the run: something else is running, ratios are noisier"
+    return f"load average {when}: {one:.2f} {five:.2f} {fifteen:.2f} ({os.cpu_count()} cores){warn}"
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    """The command line."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.overhead", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depths", type=int, nargs="+", default=[12, 24, 48], help="total layers (encoder + decoder), split evenly (default: 12 24 48)")
+    parser.add_argument("--depths", type=int, nargs="+", default=[12, 24, 48],
+                        help="total layers (encoder + decoder), split evenly: 12 is the 6+6 reference (default: 12 24 48)")
     parser.add_argument("--d-model", type=int, default=256, help="model width (default: 256)")
     parser.add_argument("--batch-size", type=int, default=16, help="sentences per batch (default: 16)")
     parser.add_argument("--length", type=int, default=32, help="tokens per sentence (default: 32)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed pairs per method (default: 20)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: 3)")
-    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu", help="where to run (default: cuda if available)")
+    parser.add_argument("--pairs", "--repeats", dest="pairs", type=int, default=20,
+                        help="timed (plain, method) pairs per method and mode (default: 20)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first, at least 2: step 0 records cosine, step 1 does not (default: 3)")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where to run (default: cuda if available)")
+    parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time compiled steps, torch.compile(fullgraph=True) (default: on; --no-compile: eager only)")
     parser.add_argument("--only", nargs="*", default=None, help="substrings of method names to run (default: all)")
-    parser.add_argument("--breakdown", action="store_true", help="also time gradscope with one quantity at a time (where the cost is)")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="also time gradscope with one quantity at a time (where the cost is)")
+    parser.add_argument("--recompile-limit", type=int, default=64,
+                        help="torch._dynamo recompile (cache size) limit: every copy's graphs share one code object (default: 64)")
+    parser.add_argument("--hook-guards", action=argparse.BooleanOptionalAction, default=True,
+                        help="set torch._dynamo.config.skip_nnmodule_hook_guards=False, so a copy with recorder hooks "
+                             "never reuses a graph Dynamo traced from a copy without them (default: on; see module doc)")
     args = parser.parse_args(argv)
-    if args.breakdown:
-        for quantity in BREAKDOWN:
-            METHODS[f"gradscope {quantity} only"] = with_recorder([quantity])
+    if args.warmup < 2:
+        parser.error("--warmup must be at least 2 (a recorded and an unrecorded step before timing)")
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Runs the benchmark and prints the results table, then the checks table."""
+    args = parse(argv)
+    torch._dynamo.config.cache_size_limit = args.recompile_limit
+    torch._dynamo.config.accumulated_cache_size_limit = max(256, 8 * args.recompile_limit)
+    torch._dynamo.config.skip_nnmodule_hook_guards = not args.hook_guards
+    methods = METHODS + (breakdown_methods() if args.breakdown else [])
+    if args.only:
+        methods = [m for m in methods if any(o in m.name for o in args.only)]
+    modes = [False, True] if args.compile else [False]
+    mode_name = {False: "eager", True: "compiled"}
     print(f"machine: {machine()}")
+    print(load_line("before"))
     print(f"command: python -m benchmarks.overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
-    print(f"model: pre_ln encoder-decoder, d={args.d_model}, batch {args.batch_size}x{args.length} tokens, Adam; {args.repeats} pairs after {args.warmup} warm-up steps\n")
-    print("| method | " + " | ".join(f"{d} layers" for d in args.depths) + " |")
-    print("|---|" + "---|" * len(args.depths))
+    print(f"model: pre_ln encoder-decoder, d={args.d_model}, batch {args.batch_size}x{args.length} tokens, Adam; "
+          f"{args.pairs} pairs after {args.warmup} warm-up steps per method and mode", flush=True)
+    columns = [(d, c) for d in args.depths for c in modes]
     table: dict[str, list[str]] = {}
-    for depth in args.depths:
-        for name, value in measure(depth, args).items():
-            cell = value if isinstance(value, str) else f"{value[0]:.3f}× ({value[1]:.3f}–{value[2]:.3f})"
+    checks: list[tuple[str, str, dict]] = []
+    t_start = time.perf_counter()
+    for depth, compiled in columns:
+        cells, cell_checks = measure(depth, args, compiled, methods)
+        for name, cell in cells.items():
             table.setdefault(name, []).append(cell)
+        label = f"{depth} layers {mode_name[compiled]}"
+        checks += [(name, label, c) for name, c in cell_checks.items() if c]
+        print(f"  measured {label} ({time.perf_counter() - t_start:.0f} s so far)", file=sys.stderr, flush=True)
+    print(load_line("after"))
+    print(f"total time: {time.perf_counter() - t_start:.0f} s\n")
+    print("| method | " + " | ".join(f"{d} layers {mode_name[c]}" for d, c in columns) + " |")
+    print("|---|" + "---|" * len(columns))
     for name, cells in table.items():
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print("\nCells: median of per-pair step-time ratios to a plain step (interquartile range).")
+    print("\nCells: median of per-pair step-time ratios to a plain step of the same mode (interquartile range);\n"
+          "the plain row is its median step time. A compiled ratio compares compiled with compiled.\n")
+    keys = ["warm-up s", "compiles in warm-up", "compiles in timing", "graph breaks", "rows in warm-up", "rows in timed steps"]
+    print("| method | column | " + " | ".join(keys) + " |")
+    print("|---|---|" + "---|" * len(keys))
+    for name, label, c in checks:
+        print(f"| {name} | {label} | " + " | ".join(str(c.get(k, "-")) for k in keys) + " |")
+    print("\nChecks: compiles counts Dynamo graphs + AOTAutograd + Inductor compiles (cache hits included);\n"
+          "graph breaks is the process total so far; rows are the recorded table's rows by step.")
     return 0
 
 

@@ -60,7 +60,7 @@ PER_RANK_QUANTITIES: tuple[str, ...] = ("act_grad_norm", "act_norm", "loss")
 SHARED_QUANTITIES: tuple[str, ...] = ("param_grad_norm", "update_ratio", "lr", "dlcl_weight", "scalenorm_g")
 """Quantities every rank holds with the same global value; :func:`global_rows` copies the lowest rank's."""
 
-_POINT = ["run", "variant", "step", "micro_step", "stack", "layer", "site", "quantity", "layer_j", "reduction"]
+_POINT = ["run", "variant", "step", "micro_step", "stack", "layer", "site", "role", "quantity", "layer_j", "reduction"]
 
 
 # -- parameter gradients: squared shard norms summed over the mesh ---------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -59,6 +60,8 @@ def save_frame(df: pd.DataFrame, path: str | os.PathLike) -> Path:
 def load(path: str | os.PathLike) -> pd.DataFrame:
     """Reads a table written by ``Recorder.save`` / ``save_frame``.
 
+    A table written before the ``role`` column existed gets it from :func:`legacy_roles`.
+
     Raises:
         FileNotFoundError: no such file.
         ValueError: the file is not readable parquet (truncated, corrupt) or not a gradscope
@@ -73,7 +76,74 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
         raise ValueError(f"gradscope.load: {path} is not a readable parquet file ({type(err).__name__}: {err})") from err
     if (table.schema.metadata or {}).get(FORMAT_KEY) is None:
         raise ValueError(f"gradscope.load: {path} is parquet but not a gradscope table (no {FORMAT_KEY.decode()} tag)")
-    missing = [c for c in COLUMNS if c not in table.column_names]
+    missing = [c for c in COLUMNS if c not in table.column_names and c != "role"]
     if missing:
         raise ValueError(f"gradscope.load: {path} lacks columns {missing}")
-    return table.to_pandas()[list(COLUMNS)].astype(DTYPES)
+    df = table.to_pandas()
+    if "role" not in df.columns:  # written before the role column existed
+        df["role"] = legacy_roles(df)
+    return df[list(COLUMNS)].astype(DTYPES)
+
+
+# -- LEGACY: tables written before the ``role`` column -----------------------------------------
+_SITE_QUANTITIES = ("act_grad_norm", "act_norm", "nonfinite", "nonfinite_grad")
+_ZOO_SUFFIXES = (  # as gradscope.recorder.layout names zoo sites
+    ("final_norm.in", "final_norm_in"), ("final_norm.out", "final_norm_out"), ("norm.in", "norm_in"),
+    ("norm.out", "norm_out"), ("embed.out", "embed"), ("combine.out", "combine"), (".branch", "branch"),
+    (".sum", "sum"),
+)
+
+
+def legacy_roles(df: pd.DataFrame) -> pd.Series:
+    """LEGACY: the ``role`` of each row of a table saved without a ``role`` column.
+
+    Only for old files (the parquet tables committed under ``figures/`` before the column
+    existed); :func:`load` calls it once when the column is missing. New tables carry the
+    role that ``gradscope.recorder.layout`` decided when recording, and nothing else may
+    derive a role from a site name. This function reads names the way that layout named
+    them at the time:
+
+    - rows of quantities that are not at a site (``param_grad_norm``, ``ln_gain``,
+      ``cosine``, ``loss``...): ``""``;
+    - ``<stack>.layers.<i>.in`` / ``.out`` (zoo) and ``<stack>.<i>.in`` / ``.out`` (blocks
+      of other models), with ``stack`` and ``layer = i + 1`` from the row: ``layer_in`` /
+      ``layer_out``;
+    - ``memory.*``: ``memory``; zoo suffixes ``final_norm.in``, ``norm.in``, ``embed.out``,
+      ``combine.out``, ``.branch``, ``.sum`` ...: their roles;
+    - other ``*.in`` / ``*.out`` sites of a model that is not a zoo variant (its norms):
+      ``norm_in`` / ``norm_out``; anything else: ``other``.
+
+    A ``#k`` call suffix (a module called several times) is ignored.
+
+    Args:
+        df: a table with every column but ``role``.
+
+    Returns:
+        The roles, aligned with ``df``'s index.
+    """
+    from gradscope.models import VARIANTS
+
+    keys = ["quantity", "site", "stack", "layer", "variant"]
+    found = df[keys].drop_duplicates()  # a few hundred distinct sites, however long the table
+    found["role"] = [
+        _legacy_role(str(site), str(stack), None if pd.isna(layer) else int(layer), str(variant) in VARIANTS)
+        if quantity in _SITE_QUANTITIES else ""
+        for quantity, site, stack, layer, variant in found.itertuples(index=False, name=None)
+    ]
+    return df[keys].merge(found, on=keys, how="left")["role"].set_axis(df.index).astype("string")
+
+
+def _legacy_role(site: str, stack: str, layer: int | None, zoo: bool) -> str:
+    name = re.sub(r"#\d+$", "", site)
+    if layer is not None and layer >= 1:
+        for end, role in (("in", "layer_in"), ("out", "layer_out")):
+            if name in (f"{stack}.layers.{layer - 1}.{end}", f"{stack}.{layer - 1}.{end}"):
+                return role
+    if name.startswith("memory."):
+        return "memory"
+    for suffix, role in _ZOO_SUFFIXES:
+        if name.endswith(suffix):
+            return role
+    if not zoo and name.endswith((".in", ".out")):
+        return "norm_in" if name.endswith(".in") else "norm_out"
+    return "other"

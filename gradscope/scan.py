@@ -62,10 +62,8 @@ class ScanResult:
 def summarize(table: pd.DataFrame) -> ScanResult:
     """Builds the per-layer summary and verdict from one step's tidy table."""
     acc = table[table.micro_step == -1]
-    grads = acc[(acc.quantity == "act_grad_norm") & acc.layer.notna() & (acc.layer > 0)]
-    # a layer's own output: '<stack>.layers.<i>.out' (zoo) or '<blocks>.<i>.out' (foreign blocks)
-    own = [s in (f"{st}.layers.{int(l) - 1}.out", f"{st}.{int(l) - 1}.out") for s, st, l in zip(grads.site, grads["stack"], grads.layer)]
-    layers = grads[own][["stack", "layer", "site", "value"]].rename(columns={"value": "act_grad_norm"})
+    outs = acc[(acc.quantity == "act_grad_norm") & (acc.role == "layer_out")]  # zoo and foreign blocks alike
+    layers = outs[["stack", "layer", "site", "value"]].rename(columns={"value": "act_grad_norm"})
     gains = acc[acc.quantity == "ln_gain"]
     min_gain = gains.groupby(["stack", "layer"], dropna=False).value.min().rename("min_ln_gain").reset_index()
     layers = layers.merge(min_gain, on=["stack", "layer"], how="left").sort_values(["stack", "layer"]).reset_index(drop=True)

@@ -24,14 +24,14 @@ def frame(*parts: list[dict]) -> pd.DataFrame:
 def outs(variant: str, values: Sequence[float], stack: str = "decoder", run: str | None = None) -> list[dict]:
     """act_grad_norm at layer outputs 1..L (two micro-batches each, same mean)."""
     return [dict(run=run or variant, variant=variant, step=0, micro_step=m, stack=stack, layer=i,
-                 site=f"{stack}.layers.{i - 1}.out", quantity="act_grad_norm", value=v * (0.5 + m))
+                 site=f"{stack}.layers.{i - 1}.out", role="layer_out", quantity="act_grad_norm", value=v * (0.5 + m))
             for i, v in enumerate(values, start=1) for m in (0, 1)]
 
 
 def locations(layers: dict[int, Sequence[float]], variant: str = "post_ln") -> list[dict]:
     suffixes = ["self_attn.norm.in", "self_attn.norm.out", "cross_attn.norm.in", "cross_attn.norm.out", "ffn.norm.in"]
     return [dict(run=variant, variant=variant, step=0, stack="decoder", layer=i, site=f"decoder.layers.{i - 1}.{s}",
-                 quantity="act_grad_norm", value=v)
+                 role="norm_" + s.rsplit(".", 1)[1], quantity="act_grad_norm", value=v)
             for i, g in layers.items() for s, v in zip(suffixes, g) if np.isfinite(v)]
 
 
@@ -62,7 +62,7 @@ def train_only(run: str, loss: Sequence[float], variant: str | None = None) -> l
 
 def embed(variant: str, depth: int, value: float) -> list[dict]:
     run = f"{variant}-{depth}L"
-    rows = [dict(run=run, variant=variant, step=0, stack="encoder", layer=0, site="encoder.embed.out",
+    rows = [dict(run=run, variant=variant, step=0, stack="encoder", layer=0, site="encoder.embed.out", role="embed",
                  quantity="act_grad_norm", value=value)]
     return rows + outs(variant, [1.0] * depth, stack="encoder", run=run)
 

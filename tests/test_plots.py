@@ -35,17 +35,17 @@ def grad_table(reduction: str = "mean") -> pd.DataFrame:
     for variant in ("post_ln", "pre_ln"):
         for step in (0, 5):
             for micro in (0, 1):
-                def add(site, layer, value):
+                def add(site, role, layer, value):
                     rows.append(dict(run=f"{variant}-{L}L", variant=variant, step=step, micro_step=micro,
-                                     stack="decoder", layer=layer, site=site, quantity="act_grad_norm",
+                                     stack="decoder", layer=layer, site=site, role=role, quantity="act_grad_norm",
                                      value=value, reduction=reduction))
-                add("decoder.embed.out", 0, rng.uniform(0.1, 1))
+                add("decoder.embed.out", "embed", 0, rng.uniform(0.1, 1))
                 for i in range(1, L + 1):
-                    add(f"decoder.layers.{i - 1}.out", i, rng.uniform(0.1, 1))
-                    add(f"decoder.layers.{i - 1}.in", i, rng.uniform(0.1, 1))
+                    add(f"decoder.layers.{i - 1}.out", "layer_out", i, rng.uniform(0.1, 1))
+                    add(f"decoder.layers.{i - 1}.in", "layer_in", i, rng.uniform(0.1, 1))
                     for sub in ("self_attn", "cross_attn", "ffn"):
                         for end in ("in", "out"):
-                            add(f"decoder.layers.{i - 1}.{sub}.norm.{end}", i, rng.uniform(0.1, 1))
+                            add(f"decoder.layers.{i - 1}.{sub}.norm.{end}", f"norm_{end}", i, rng.uniform(0.1, 1))
     return make_frame(rows)
 
 

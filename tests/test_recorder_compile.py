@@ -51,3 +51,34 @@ def test_compiled_recording_is_exact_and_changes_nothing(name, tmp_path):
     rel = (merged.value_compiled - merged.value_eager).abs() / merged.value_eager.abs().clip(lower=1e-12)
     worst = merged.loc[rel.idxmax()]
     assert rel.max() <= 1e-5, f"{worst.site} {worst.quantity}: {worst.value_compiled} vs {worst.value_eager}"
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.fc = torch.nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.norm(x))
+
+
+def test_recorder_made_after_the_compiled_model_ran_raises_instead_of_an_empty_table():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_Block(8), _Block(8))
+    compiled = torch.compile(model)
+    x = torch.randn(2, 3, 8)
+    compiled(x).sum().backward()  # traced before any recorder hook existed
+    import gradscope
+
+    rec = gradscope.Recorder(compiled)  # the torch.compile wrapper is unwrapped
+    with pytest.raises(RuntimeError, match="Make the Recorder before the first call of the compiled model"):
+        with rec.step(0):
+            compiled(x).sum().backward()
+    rec.close()
+    torch._dynamo.reset()
+    rec = gradscope.Recorder(model)  # after a reset the model traces again, with the hooks
+    with rec.step(0):
+        compiled(x).sum().backward()
+    rec.close()
+    assert {"0.out", "1.out", "0.norm.out"} <= set(rec.frame().site)

@@ -121,3 +121,33 @@ class _null:
 
     def __exit__(self, *exc):
         return False
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_llama_gradient_checkpointing_records_what_a_plain_run_does(reentrant):
+    """HF checkpointing recomputes each layer inside backward (under reentrant checkpointing
+    the first forward runs without grad): every row, ln_gain included, equals autograd."""
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).train()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    run = lambda: model(ids, labels=ids).loss  # noqa: E731
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    with gradscope.record(model) as rec:
+        run().backward()
+    model.gradient_checkpointing_disable()
+    model.zero_grad()
+    df = rec.frame()
+    probes = {p.name: (p.module, p.where) for p in rec.layout.probes}
+    norms = {n.name: n.module for n in rec.layout.norms}
+    ref, _ = site_gradients(model, probes, run)
+    gains = norm_gains(model, norms, run)
+    got = df[(df.quantity == "act_grad_norm") & (df.micro_step == -1)].set_index("site").value
+    for site in probes:
+        if ref.get(site):
+            assert_rel(got[site], ref[site], what=site)
+    got_gain = df[df.quantity == "ln_gain"].set_index("site").value
+    assert set(got_gain.index) == set(norms)
+    for n in norms:
+        assert_rel(got_gain[n], gains[n], what=f"ln_gain {n}")

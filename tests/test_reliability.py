@@ -62,10 +62,12 @@ def test_inf_in_backward_is_named_first():
     def poison(module, args, out):
         out.register_hook(lambda g: g * float("inf"))
 
+    rec = gradscope.Recorder(model)  # its hooks come first: the poison reaches the value crossing the site
     inject = site_module(model, site).register_forward_hook(poison)
-    with gradscope.record(model) as rec:
+    with rec.step(0):
         loss_fn(model, batch(model.config)).backward()
     inject.remove()
+    rec.close()
     df = rec.frame()
     assert not len(df[df.quantity == "nonfinite"])  # the forward pass was clean
     bad = df[df.quantity == "nonfinite_grad"].sort_values("value")

@@ -20,9 +20,8 @@ FIG3 = "Takase 2022 Fig. 3"
 
 
 def _out_profile(df: pd.DataFrame, variant: str, stack: str, step: StepSpec) -> pd.Series:
-    """g(<stack>.layers.<i>.out) per layer of the variant's single run (empty if absent)."""
-    data = S.single_run(S.rows(df, quantity="act_grad_norm", stack=stack), variant=variant)
-    data = S.sites_matching(data, S.layer_site_pattern(stack, "out"))
+    """g(layer output) per layer of the variant's single run (empty if absent)."""
+    data = S.single_run(S.rows(df, quantity="act_grad_norm", stack=stack, role="layer_out"), variant=variant)
     data, _ = S.at_step(data, step)
     return S.layer_series(S.one_per_point(data))
 
@@ -109,7 +108,7 @@ def takase_fig4_ln_drops(
         return not_measured(figure, claim, metric, preset=preset, detail=f"no {variant} {stack} rows")
     values: dict[str, float] = {}
     for layer in chosen:
-        g = S.location_values(points, stack, layer)
+        g = S.location_values(points, layer)
         if np.isnan(g[:4]).any():
             return not_measured(figure, claim, metric, preset=preset,
                                 detail=f"locations (1)-(4) incomplete at layer {layer}")
@@ -133,8 +132,8 @@ def wang_embed_grad_vanishes(
 ) -> Verdict:
     """Wang (2019) §5: Post-LN's embedding-output gradient norm approaches 0 as depth grows.
 
-    Over the variant's runs (depth of a run = its largest ``<stack>.layers.<i>`` layer; runs
-    of equal depth averaged): rule ``spearman(depth, g(embed.out)) < 0`` and
+    Over the variant's runs (depth of a run = its largest ``layer`` in ``stack``; runs of
+    equal depth averaged): rule ``spearman(depth, g(embed.out)) < 0`` and
     ``g(deepest) / g(shallowest) < max_ratio``, with at least ``min_depths`` depths.
     """
     figure, claim = "Wang 2019 §5", f"{variant} {stack} embedding gradient norm decreases with depth"
@@ -143,8 +142,7 @@ def wang_embed_grad_vanishes(
     by_depth: dict[int, list[float]] = {}
     for run, run_rows in S.rows(df, variant=variant).groupby("run", sort=True):
         depth = S.layer_depth(run_rows, stack)
-        emb = S.rows(run_rows, quantity="act_grad_norm")
-        emb = emb.loc[emb["site"] == f"{stack}.embed.out"]
+        emb = S.rows(run_rows, quantity="act_grad_norm", stack=stack, role="embed")
         emb, _ = S.at_step(emb, step)
         if depth is not None and len(emb):
             by_depth.setdefault(depth, []).append(float(S.one_per_point(emb)["value"].iloc[0]))

@@ -6,7 +6,6 @@ Xu (2020) Table 2 (w/σ), Nguyen & Salazar (2019) (ScaleNorm g vs depth).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -41,7 +40,7 @@ def layer_norms(
     *,
     quantity: str = "act_grad_norm",
     stack: str = "decoder",
-    site_suffix: str = "out",
+    role: str = "layer_out",
     include_embed: bool = False,
     hue: str = "variant",
     hue_order: Sequence[str] | None = None,
@@ -50,15 +49,19 @@ def layer_norms(
     ax: Axes | None = None,
     title: str | None = None,
 ) -> Axes:
-    """Value at ``<stack>.layers.<i>.<site_suffix>`` against layer (Takase 2022 Fig. 3).
+    """Value at the ``role`` sites of each layer of ``stack`` against layer (Takase 2022 Fig. 3).
+
+    Works alike for zoo stacks (``"decoder"``) and blocks found in other models
+    (``"transformer.h"``): sites are chosen by the table's ``role`` column.
 
     Args:
         df: tidy table (``gradscope.table``); not modified.
         quantity: table quantity, default the activation-gradient norm.
-        stack: ``"encoder"`` or ``"decoder"``.
-        site_suffix: site after ``layers.<i>.``: ``"out"`` (layer output), ``"in"``,
-            ``"ffn.sum"``...
-        include_embed: also draw ``<stack>.embed.out`` at layer 0 (Wang 2019 §5).
+        stack: ``"encoder"``, ``"decoder"``, or a foreign model's block list.
+        role: which sites of a layer: ``"layer_out"`` (default), ``"layer_in"``, ``"sum"``,
+            ``"norm_in"``... (``gradscope.table``); a layer with several such sites (one
+            ``sum`` per sub-layer) is drawn at their mean.
+        include_embed: also draw the embedding output (role ``embed``) at layer 0 (Wang 2019 §5).
         hue: column giving one line per value (each value must be one run): ``variant``,
             ``run``, ``stack`` or ``site``.
         hue_order: order of the lines; default sorted.
@@ -74,11 +77,9 @@ def layer_norms(
     Raises:
         ValueError: no matching rows, or a hue value covers several runs.
     """
-    data = S.rows(df, quantity=quantity, stack=stack)
-    pattern = S.layer_site_pattern(stack, site_suffix)
-    if include_embed:
-        pattern = f"(?:{pattern})|{re.escape(stack)}\\.embed\\.out"
-    points, steps = _points(S.sites_matching(data, pattern), step, f"{quantity} at {pattern}")
+    roles = (role, "embed") if include_embed else (role,)
+    data = S.rows(df, quantity=quantity, stack=stack, role=roles)
+    points, steps = _points(data, step, f"{quantity} at {stack} sites of role {' or '.join(roles)}")
     ax = _style.get_ax(ax)
     _draw_profiles(ax, points, hue, hue_order)
     ax.set_xlabel("layer (0 = embedding output)" if include_embed else "layer")
@@ -87,7 +88,7 @@ def layer_norms(
     if logy:
         ax.set_yscale("log")
     _style.legend(ax, title=hue)
-    return _style.finish(ax, title, [f"{stack} · site layers.i.{site_suffix}", _style.step_note(steps),
+    return _style.finish(ax, title, [f"{stack} · {role} sites", _style.step_note(steps),
                                      _style.averaged_note(int(points["n"].max()))])
 
 
@@ -140,8 +141,8 @@ def location_norms(
     ax = _style.get_ax(ax)
     x = np.arange(1, len(S.LOCATIONS) + 1, dtype=float)
     for layer in chosen:
-        ax.plot(x, S.location_values(points, stack, layer), marker="o", label=f"layer {layer}")
-    ax.set_xticks(x, [label for _, label in S.LOCATIONS])
+        ax.plot(x, S.location_values(points, layer), marker="o", label=f"layer {layer}")
+    ax.set_xticks(x, [label for _, _, label in S.LOCATIONS])
     ax.set_xlabel(f"location in {stack} layer (Takase 2022 Fig. 4)")
     ax.set_ylabel(_style.quantity_label(quantity, S.reduction_text(points), _style.loss_unit(df)))
     if logy:

@@ -11,8 +11,10 @@ Conventions used by every plot and claim:
   reduced by :func:`one_per_point`: the accumulated-step row (``micro_step == -1``) when
   there is one, else the mean over micro-batches and ranks. A point with any non-finite
   row becomes NaN, so a divergence is never averaged away.
-- **Layers.** The ``layer`` column is used as the x axis; sites are matched by their
-  full name (``decoder.layers.<i>.<suffix>``), never parsed for numbers.
+- **Layers and sites.** The ``layer`` column is the x axis, and sites are chosen by the
+  ``role`` column the recorder wrote (``layer_out``, ``embed``, ``norm_in``...), the same
+  for zoo and foreign models. Site names are never parsed, with one documented exception:
+  :func:`sublayer`, for the sub-layer a zoo site sits in (Takase's locations need it).
 """
 
 from __future__ import annotations
@@ -35,16 +37,20 @@ in nats (NaN when the run never produced a finite one); converged: bool, decided
 :func:`gradscope.claims.run_outcome`.
 """
 
-LOCATIONS: tuple[tuple[str, str], ...] = (
-    ("self_attn.norm.in", "(1) LN1 in"),
-    ("self_attn.norm.out", "(2) LN1 out"),
-    ("cross_attn.norm.in", "(3) LN2 in"),
-    ("cross_attn.norm.out", "(4) LN2 out"),
-    ("ffn.norm.in", "(5) LN3 in"),
+LOCATIONS: tuple[tuple[str, str, str], ...] = (
+    ("self_attn", "norm_in", "(1) LN1 in"),
+    ("self_attn", "norm_out", "(2) LN1 out"),
+    ("cross_attn", "norm_in", "(3) LN2 in"),
+    ("cross_attn", "norm_out", "(4) LN2 out"),
+    ("ffn", "norm_in", "(5) LN3 in"),
 )
-"""Takase (2022) Fig. 4 locations (1)-(5) in a Post-LN decoder layer: (site suffix, label)."""
+"""Takase (2022) Fig. 4 locations (1)-(5) in a Post-LN decoder layer: (sub-layer, role, label).
 
-_POINT_KEYS = ["run", "variant", "step", "stack", "layer", "layer_j", "site", "quantity", "reduction"]
+Location (1) is the input of the self-attention sub-layer's norm (x + SA(x) in Post-LN),
+(2) its output, (3)/(4) the same for cross-attention, (5) the input of the FFN's norm.
+"""
+
+_POINT_KEYS = ["run", "variant", "step", "stack", "layer", "layer_j", "site", "role", "quantity", "reduction"]
 
 
 def rows(
@@ -54,24 +60,41 @@ def rows(
     stack: str | None = None,
     run: str | None = None,
     variant: str | None = None,
+    role: str | Sequence[str] | None = None,
 ) -> pd.DataFrame:
-    """Rows matching every given column value (``None`` leaves a column unfiltered)."""
+    """Rows matching every given column value (``None`` leaves a column unfiltered).
+
+    ``role`` may be one role or several (``("layer_out", "embed")``).
+    """
     keep = pd.Series(True, index=df.index)
     for col, val in (("quantity", quantity), ("stack", stack), ("run", run), ("variant", variant)):
         if val is not None:
             keep &= (df[col] == val).fillna(False).astype(bool)
+    if role is not None:
+        keep &= df["role"].isin([role] if isinstance(role, str) else list(role)).fillna(False).astype(bool)
     return df.loc[keep]
 
 
-def layer_site_pattern(stack: str, suffix: str) -> str:
-    """Regex for ``<stack>.layers.<i>.<suffix>`` (zoo) or ``<stack>.<i>.<suffix>`` (blocks found in
-    any other model, e.g. ``transformer.h.3.out``) site names."""
-    return rf"{re.escape(stack)}\.(layers\.)?\d+\.{re.escape(suffix)}"
+_SUBLAYER = re.compile(r"\.layers\.\d+\.([^.#]+)\.")
 
 
-def sites_matching(df: pd.DataFrame, pattern: str) -> pd.DataFrame:
-    """Rows whose full site name matches the regex ``pattern``."""
-    return df.loc[df["site"].str.fullmatch(pattern).fillna(False).astype(bool)]
+def sublayer(sites: pd.Series) -> pd.Series:
+    """Sub-layer holding each site of a zoo model: ``self_attn``, ``cross_attn``, ``ffn``...
+
+    The one place outside the recorder that reads a site name. The ``role`` column says what
+    a site is (``norm_in``) and ``layer`` where it is, but not which of a layer's sub-layers
+    it belongs to, which Takase's locations (:data:`LOCATIONS`) need. Zoo names are
+    ``<stack>.layers.<i>.<sublayer>.<...>`` (SPEC §2), and a norm's own name (the ``site``
+    of ``ln_gain`` rows) has the same form.
+
+    Args:
+        sites: site names.
+
+    Returns:
+        The sub-layer name per site; ``""`` for sites not inside a zoo sub-layer (layer
+        inputs/outputs, embeddings, foreign models' sites).
+    """
+    return sites.astype("string").str.extract(_SUBLAYER, expand=False).fillna("")
 
 
 def at_step(df: pd.DataFrame, step: StepSpec) -> tuple[pd.DataFrame, dict[str, int]]:
@@ -166,9 +189,10 @@ def layer_series(points: pd.DataFrame) -> pd.Series:
 
 
 def layer_depth(df: pd.DataFrame, stack: str) -> int | None:
-    """Number of layers of ``stack``: the largest ``layer`` among its ``layers.<i>.*`` sites."""
-    sub = sites_matching(rows(df, stack=stack), rf"{re.escape(stack)}\.(layers\.)?\d+\..+")
-    layers = sub["layer"].dropna()
+    """Number of layers of ``stack``: the largest ``layer`` among its rows, matrix rows
+    (whose ``layer`` is a matrix index) left out; None when it has no layer rows."""
+    sub = rows(df, stack=stack)
+    layers = sub.loc[sub["layer_j"].isna(), "layer"].dropna()
     return int(layers.max()) if len(layers) else None
 
 
@@ -180,12 +204,18 @@ def default_layers(depth: int) -> tuple[int, ...]:
     return tuple(sorted({1, max(1, depth // 2), depth}))
 
 
-def location_values(points: pd.DataFrame, stack: str, layer: int) -> np.ndarray:
-    """Values at the five :data:`LOCATIONS` of one layer (NaN where a site is absent)."""
+def location_values(points: pd.DataFrame, layer: int) -> np.ndarray:
+    """Values at the five :data:`LOCATIONS` of one layer (NaN where a site is absent).
+
+    Args:
+        points: rows of one run, one stack and one quantity (e.g. from :func:`one_per_point`).
+        layer: 1-based layer.
+    """
     at_layer = points.loc[(points["layer"] == layer).fillna(False).astype(bool)]
+    part = sublayer(at_layer["site"])
     out = []
-    for suffix, _ in LOCATIONS:
-        hit = sites_matching(at_layer, layer_site_pattern(stack, suffix))["value"]
+    for sub, role, _ in LOCATIONS:
+        hit = at_layer.loc[((part == sub) & (at_layer["role"] == role)).fillna(False).astype(bool), "value"]
         out.append(float(hit.mean()) if len(hit) else np.nan)
     return np.asarray(out, dtype=float)
 

@@ -1,6 +1,7 @@
 """The recorder: SPEC §3 quantities as a tidy table, equal to plain autograd."""
 
 from gradscope.recorder.layout import Layout, find_layout
-from gradscope.recorder.recorder import ALL_QUANTITIES, DEFAULT_QUANTITIES, Recorder, record, snapshot
+from gradscope.recorder.oneshot import record, snapshot
+from gradscope.recorder.recorder import ALL_QUANTITIES, DEFAULT_QUANTITIES, Recorder
 
 __all__ = ["ALL_QUANTITIES", "DEFAULT_QUANTITIES", "Layout", "Recorder", "find_layout", "record", "snapshot"]

@@ -31,8 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradscope.recorder.layout import Layout
-from gradscope.recorder.norm_stats import isolated_grad_sq, norm_gain, norm_kind, w_over_sigma
-
+from gradscope.recorder.norm_stats import (
+    isolated_grad_sq,
+    norm_gain,
+    norm_kind,
+    w_over_sigma,
+)
 
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm
 
@@ -155,7 +159,7 @@ class Capture:
         """Registers every hook (once per Recorder)."""
         self.handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         for j, norm in enumerate(self.layout.norms):  # before the site taps: sees the norm's raw output
-            self.handles.append(norm.module.register_forward_hook(self._norm_hook(j)))
+            self.handles.append(norm.module.register_forward_hook(self._norm_hook(j), with_kwargs=True))
         for i, p in enumerate(self.points):
             if p.where == "output":
                 self.handles.append(p.module.register_forward_hook(self._output_hook(i)))
@@ -288,10 +292,10 @@ class Capture:
         """Output hook on a norm: its w/σ, and the tap that gives the gradient through it."""
         counter, kind, point = len(self.points) + j, self._norm_kind[j], self._norm_in[j]
 
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if not self.on:
                 return None
-            found, y = main_input(args, {}), first_tensor(output)
+            found, y = main_input(args, kwargs), first_tensor(output)
             if found is None or y is None or found[1].shape != y.shape:
                 return None
             x = found[1]

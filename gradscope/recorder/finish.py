@@ -5,10 +5,13 @@ Runs once per recorded step on the numbers that just reached the host; no device
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 
 from gradscope.recorder.capture import FWD
 from gradscope.recorder.quantities import REGISTRY, StepData
+from gradscope.recorder.wrappers import grad_versions
 
 MISFIT = 1e-4  # a fitted norm whose residual exceeds this share of Var(y) is not of the form g·x̂ + b
 
@@ -75,3 +78,36 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
         if name not in REGISTRY or REGISTRY[name].logged:
             rows += extra
     return [k for k, _ in rows], np.array([v for _, v in rows], dtype=np.float64), data
+
+
+def check_calls(rec, step: int, data: StepData, calls: list[int]) -> bool:
+    """Raises when no hook fired although backward ran; warns (once each) about sites that
+    saw no call, norms of unknown form and modules called more often than ``max_calls``.
+    Returns whether any site has been seen so far."""
+    seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
+    if not seen:
+        if not rec._ever_seen and rec._grad_versions is not None and rec._grad_versions != grad_versions(rec.model):
+            raise RuntimeError(
+                "Recorder: backward ran in this step but none of the recorder's hooks fired. The model was most "
+                "likely compiled and called before the Recorder was made: torch.compile does not see hooks added "
+                "after its first trace. Make the Recorder before the first call of the compiled model (or call "
+                "torch._dynamo.reset() and let it trace again)."
+            )
+        return rec._ever_seen
+    silent = [p.name for p in rec._capture.points if p.name not in seen and p.name not in rec._warned]
+    if silent:
+        rec._warned.update(silent)
+        warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
+                      f"{silent[:8]}{' ...' if len(silent) > 8 else ''} (drop them with sites=...)", stacklevel=4)
+    unfit = sorted(data.unfit - rec._warned)
+    if unfit:
+        rec._warned.update(unfit)
+        warnings.warn(f"gradscope: {unfit[:4]} do not map their normalised input to their output with one gain per "
+                      "feature (adaptive norms?): the gradient through them alone is not known without re-running "
+                      "them, so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows", stacklevel=4)
+    over = [p.name for p, n in zip(rec._capture.points, calls) if n > rec._capture.K and p.name not in rec._warned]
+    if over:
+        rec._warned.update(over)
+        warnings.warn(f"gradscope: {over[:4]} called more than max_calls={rec._capture.K} times in one forward; "
+                      "later calls are added into the last row (raise max_calls)", stacklevel=4)
+    return True

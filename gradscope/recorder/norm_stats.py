@@ -104,6 +104,8 @@ def norm_kind(module: nn.Module) -> str | None:
     ``"scale"``, ``"fit"`` (a foreign norm, its form and gain fitted per call) or None."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "bn"
+    if isinstance(module, nn.GroupNorm):
+        return "gn"
     if isinstance(module, _BATCH_NORMS):
         return None
     if isinstance(module, nn.LayerNorm):
@@ -130,6 +132,9 @@ def norm_gain(module: nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor):
         return module.g.detach().float(), None, module.eps, 1, None
     if kind == "bn":
         return _bn_gain(module, x)
+    if kind == "gn":
+        w = module.weight.detach().float() if module.weight is not None else torch.ones(module.num_channels, device=x.device)
+        return w, None, module.eps, module.num_groups, None
     d, eps = x.shape[-1], norm_eps(module)
     xs, ys = x.detach().reshape(-1, d).double(), y.detach().reshape(-1, d).double()
     inv_ln = torch.rsqrt(xs.var(dim=-1, unbiased=False, keepdim=True) + eps)
@@ -156,8 +161,14 @@ def isolated_grad_sq(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps:
     through the norm alone. Closed forms (x̂ the normalised input, ĝ = w⊙g, r = 1/σ):
     LayerNorm r(ĝ − mean ĝ − x̂·mean(ĝx̂)); RMSNorm r(ĝ − x̂·mean(ĝx̂)); ScaleNorm
     (s/‖x‖)(g − x̂(x̂·g)); a batch norm in training LayerNorm's form over the batch per
-    channel, in eval w·g/sqrt(running var + eps). Computed in fp32 from the call's own
+    channel, in eval w·g/sqrt(running var + eps); a group norm LayerNorm's form per sample
+    and group. Computed in fp32 from the call's own
     tensors."""
+    if kind == "gn":  # per sample and group over (channels of the group, positions): LayerNorm's form
+        N, C, G = x.shape[0], x.shape[1], dims
+        spatial = x[0, 0].numel()
+        w = w.reshape(1, C, 1).expand(N, C, spatial).reshape(N * G, -1)
+        x, g, dims, kind = x.detach().reshape(N * G, -1), g.reshape(N * G, -1), 1, "ln"
     if kind == "bn":
         (channel, batch_stats), C = dims, x.shape[dims[0]]
         x2 = x.detach().movedim(channel, 0).reshape(C, -1).float()  # (C, everything else)

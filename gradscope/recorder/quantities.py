@@ -50,6 +50,11 @@ class StepData:
         """The micro_step column for micro-step m (-1 when the step had only one)."""
         return m if self.micro_steps > 1 else -1
 
+    def got_grad(self, slot: int) -> np.ndarray:
+        """(M,) bool: micro-steps in which the slot's value was tapped or its gradient arrived
+        (under reentrant checkpointing the tap is in the recompute, not the first forward)."""
+        return (self.order[:, slot] > 0) | (self.grad_sq[:, slot] != 0)
+
     def slot_sites(self):
         """(point, call, slot, site name) of every (site, call) slot called in the step."""
         seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | (self.grad_sq != 0).any(axis=0)
@@ -111,7 +116,7 @@ class ActGradNorm(Quantity):
     def rows(self, data):
         out = []
         for p, c, slot, site in data.slot_sites():
-            got = (data.order[:, slot] > 0) | (data.grad_sq[:, slot] != 0)
+            got = data.got_grad(slot)
             if not got.any():
                 continue
             if data.micro_steps > 1:
@@ -157,7 +162,7 @@ class LnGain(Quantity):
                 continue
             for c in range(data.K):
                 s_in, s_out = index[norm.site_in] * data.K + c, index[norm.site_out] * data.K + c
-                got = (data.order[:, s_in] > 0) & (data.order[:, s_out] > 0)
+                got = data.got_grad(s_in) & data.got_grad(s_out)
                 if not got.any():
                     continue
                 site = call_name(norm.name, c)

@@ -22,7 +22,6 @@ or compiled. Each quantity is a class in :mod:`gradscope.recorder.quantities`.
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 
 import numpy as np
@@ -31,11 +30,12 @@ import torch
 from torch import nn
 
 from gradscope.recorder.capture import Capture
-from gradscope.recorder.layout import find_layout, is_zoo
+from gradscope.recorder.finish import check_calls, step_rows
+from gradscope.recorder.layout import find_layout
 from gradscope.recorder.params import ParamGroups
-from gradscope.recorder.finish import step_rows
-from gradscope.recorder.quantities import REGISTRY, StepData
+from gradscope.recorder.quantities import REGISTRY
 from gradscope.recorder.store import RowStore, StepBuffer
+from gradscope.recorder.wrappers import dist_rank, grad_versions, no_autocast, unwrap
 from gradscope.table import QUANTITIES
 
 DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
@@ -127,7 +127,7 @@ class Recorder:
         self.variant = variant or getattr(config, "variant", None) or type(model).__name__
         self.optimizer, self.scaler = optimizer, scaler
         self.cosine_tokens, self.reduction = cosine_tokens, reduction
-        self.rank = rank if rank is not None else _dist_rank()
+        self.rank = rank if rank is not None else dist_rank()
         self._generator = torch.Generator().manual_seed(seed)
         self._store = RowStore()
         self._capture = Capture(model, self.layout, max_calls, self._token_masks)
@@ -198,7 +198,7 @@ class Recorder:
                             cosine_tokens=self.cosine_tokens, generator=self._generator)
         self._recording = True
         if not self._ever_seen:
-            self._grad_versions = _grad_versions(self.model)
+            self._grad_versions = grad_versions(self.model)
         return True
 
     def end_step(self) -> None:
@@ -246,7 +246,7 @@ class Recorder:
     # -- end of step ---------------------------------------------------------------------
     def _finish(self, step: int, wants: set[str]) -> None:
         buf = self._buffer
-        with _no_autocast(self._capture.device):  # leaving the step inside autocast must not lower precision
+        with no_autocast(self._capture.device):  # leaving the step inside autocast must not lower precision
             snapshots, calls = self._capture.end()
             scale = self._grad_scale()
             if scale is not None:
@@ -258,41 +258,10 @@ class Recorder:
             keys, values, blocks = buf.to_host()  # the one host transfer of this step
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
                                        K=self._capture.K, wants=wants, params_unscaled=self._params_unscaled())
-        self._check_calls(step, data, calls)
+        self._ever_seen = check_calls(self, step, data, calls)
         self._store.append(step, keys, values)
         if "update_ratio" in wants and self.optimizer is not None:
             self._pending_update = step
-
-    def _check_calls(self, step: int, data: StepData, calls: list[int]) -> None:
-        """Raises when no hook fired although backward ran; warns about silent sites and
-        about modules called more often than ``max_calls``."""
-        seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
-        if not seen:
-            if not self._ever_seen and self._grad_versions is not None and self._grad_versions != _grad_versions(self.model):
-                raise RuntimeError(
-                    "Recorder: backward ran in this step but none of the recorder's hooks fired. The model was most "
-                    "likely compiled and called before the Recorder was made: torch.compile does not see hooks added "
-                    "after its first trace. Make the Recorder before the first call of the compiled model (or call "
-                    "torch._dynamo.reset() and let it trace again)."
-                )
-            return
-        self._ever_seen = True
-        silent = [p.name for p in self._capture.points if p.name not in seen and p.name not in self._warned]
-        if silent:
-            self._warned.update(silent)
-            warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
-                          f"{silent[:8]}{' ...' if len(silent) > 8 else ''} (drop them with sites=...)", stacklevel=4)
-        unfit = sorted(data.unfit - self._warned)
-        if unfit:
-            self._warned.update(unfit)
-            warnings.warn(f"gradscope: {unfit[:4]} do not map their normalised input to their output with one gain per "
-                          "feature (adaptive norms?): the gradient through them alone is not known without re-running "
-                          "them, so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows", stacklevel=4)
-        over = [p.name for p, n in zip(self._capture.points, calls) if n > self._capture.K and p.name not in self._warned]
-        if over:
-            self._warned.update(over)
-            warnings.warn(f"gradscope: {over[:4]} called more than max_calls={self._capture.K} times in one forward; "
-                          "later calls are added into the last row (raise max_calls)", stacklevel=4)
 
     def _device(self) -> torch.device:
         p = next(self.model.parameters(), None)
@@ -408,84 +377,3 @@ class Recorder:
     def site_names(self) -> list[str]:
         """The sites this recorder probes."""
         return self.layout.site_names()
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model to record inside wrappers: DDP's ``.module``, ``torch.compile``'s
-    ``_orig_mod``, and a zoo model held by a LightningModule or similar, so that site names
-    stay canonical."""
-    while True:
-        if isinstance(model, nn.parallel.DistributedDataParallel):
-            model = model.module
-        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
-            model = model._orig_mod
-        else:
-            break
-    if is_zoo(model):
-        return model
-    return next((m for m in model.modules() if is_zoo(m)), model)
-
-
-def _grad_versions(model: nn.Module) -> list:
-    """(id, version) of every parameter's gradient: tells whether backward ran in a step."""
-    return [None if p.grad is None else (id(p.grad), p.grad._version) for p in model.parameters()]
-
-
-@contextlib.contextmanager
-def _no_autocast(device: torch.device | None):
-    if device is None:
-        yield
-        return
-    with torch.autocast(device_type=device.type, enabled=False):
-        yield
-
-
-def _dist_rank() -> int:
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        return torch.distributed.get_rank()
-    return 0
-
-
-@contextlib.contextmanager
-def record(model: nn.Module, *, step: int = 0, **kwargs) -> Iterator[Recorder]:
-    """One recorded step as a context: ``with gradscope.record(model) as rec: loss.backward()``.
-
-    Covers forward and backward; every hook is removed on exit, exceptions included.
-    Keyword arguments go to :class:`Recorder`.
-    """
-    rec = Recorder(model, **kwargs)
-    try:
-        with rec.step(step):
-            yield rec
-    finally:
-        rec.close()
-
-
-def snapshot(model: nn.Module, inputs: tuple, loss_fn, *, quantities="all", **kwargs) -> pd.DataFrame:
-    """All quantities for one forward/backward, e.g. at the start of training.
-
-    Parameter gradients that existed before are restored afterwards, so the call has no
-    effect on a training run.
-
-    Args:
-        model: the model.
-        inputs: the model's positional inputs (``(src, tgt_in)`` or ``(tokens,)``).
-        loss_fn: ``loss_fn(output) -> scalar loss``.
-        quantities: as for :class:`Recorder` (default ``"all"``, cosine included).
-        **kwargs: more :class:`Recorder` arguments.
-
-    Returns:
-        The tidy table of that step (step 0).
-    """
-    saved = {p: p.grad for p in model.parameters()}
-    for p in saved:
-        p.grad = None
-    try:
-        with record(model, quantities=quantities, slow_every=1, **kwargs) as rec:
-            loss = loss_fn(model(*inputs))
-            loss.backward()
-            rec.log("loss", loss)
-        return rec.frame()
-    finally:
-        for p, g in saved.items():
-            p.grad = g

@@ -1,0 +1,46 @@
+"""What the Recorder needs to know of the model's surroundings: wrappers, ranks, autocast."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch import nn
+
+from gradscope.recorder.layout import is_zoo
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The model to record inside wrappers: DDP's ``.module``, ``torch.compile``'s
+    ``_orig_mod``, and a zoo model held by a LightningModule or similar, so that site names
+    stay canonical."""
+    while True:
+        if isinstance(model, nn.parallel.DistributedDataParallel):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and isinstance(model._orig_mod, nn.Module):
+            model = model._orig_mod
+        else:
+            break
+    if is_zoo(model):
+        return model
+    return next((m for m in model.modules() if is_zoo(m)), model)
+
+
+def grad_versions(model: nn.Module) -> list:
+    """(id, version) of every parameter's gradient: tells whether backward ran in a step."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version) for p in model.parameters()]
+
+
+@contextlib.contextmanager
+def no_autocast(device: torch.device | None):
+    if device is None:
+        yield
+        return
+    with torch.autocast(device_type=device.type, enabled=False):
+        yield
+
+
+def dist_rank() -> int:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank()
+    return 0
