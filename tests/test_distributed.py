@@ -3,7 +3,8 @@ single-process run on the whole batch, computed here with plain autograd (1e-5 r
 
 One ``torch.multiprocessing.spawn`` runs both wrappers (one process group, DDP then
 FSDP2); each rank gets half of one batch and rank 0 writes the gathered table. The
-reference is the same model (same seed) on the whole batch in this process.
+reference is the same model (same seed) on the whole batch in this process. The torchrun
+example (``python -m gradscope.distributed_demo``) runs once under ``torch.distributed.run``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import math
 import os
 import socket
+import subprocess
 import sys
 from datetime import timedelta
 
@@ -265,3 +267,29 @@ def test_global_rows_refuse_missing_ranks():
 def test_gather_without_process_group_is_the_own_frame():
     df = _table([1.0])
     assert gather_frame(df) is df
+
+
+def test_global_rows_keep_the_sites_role():
+    df = pd.concat([_table([3.0, 4.0]).assign(role="layer_out"), _table([2.0, 2.0], "loss").assign(site="")])
+    assert dict(zip(global_rows(df)["quantity"], global_rows(df)["role"])) == {"act_grad_norm": "layer_out", "loss": ""}
+
+
+# -- the torchrun example ---------------------------------------------------------------------
+def test_demo_under_torchrun_writes_every_ranks_rows(tmp_path):
+    out = tmp_path / "ddp.parquet"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"} if sys.platform == "linux" else None
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(WORLD),
+                          "-m", "gradscope.distributed_demo", "--steps", "2", "--batch-size", "4", "--out", str(out)],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert f"ddp, {WORLD} ranks" in run.stdout and "step 2: loss" in run.stdout
+    df = gradscope.load(out)
+    assert sorted(df["rank"].unique()) == [0, 1] and sorted(df["step"].unique()) == [1, 2]
+
+
+def test_demo_outside_torchrun_says_how_to_launch(monkeypatch):
+    from gradscope import distributed_demo
+
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit, match="torchrun --nproc-per-node 2 -m gradscope.distributed_demo"):
+        distributed_demo.main(["--steps", "1"])

@@ -105,6 +105,8 @@ def test_lightning_callback_matches_plain_recorder():
 
 def test_tensorboard_scalars_read_back(tmp_path):
     tbparse = pytest.importorskip("tbparse")
+    from gradscope.integrations.tensorboard import to_tensorboard
+
     model = gradscope.build_model(gradscope.presets.tiny(variant="post_ln", arch="decoder", vocab=40))
     rec = gradscope.Recorder(model)
     for step in range(2):
@@ -113,8 +115,8 @@ def test_tensorboard_scalars_read_back(tmp_path):
             loss = model(tokens).logsumexp(-1).mean()
             loss.backward()
             rec.log("loss", loss)
-    written = rec.to_tensorboard(tmp_path / "tb")
     frame = rec.frame()
+    written = to_tensorboard(frame, tmp_path / "tb")
     scalars = tbparse.SummaryReader(str(tmp_path / "tb")).scalars
     assert written == len(frame) == len(scalars)
     row = frame[(frame.step == 1) & (frame.quantity == "act_grad_norm") & (frame.site == "decoder.layers.1.out")].iloc[0]

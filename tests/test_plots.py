@@ -16,6 +16,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from gradscope import plots  # noqa: E402
+from gradscope.plots import select  # noqa: E402
 from gradscope.table import make_frame  # noqa: E402
 
 L = 4
@@ -94,6 +95,33 @@ def test_layer_norms_refuses_to_mix_runs(ax):
         plots.layer_norms(pd.concat([df, other], ignore_index=True), ax=ax)
     with pytest.raises(ValueError, match="no rows"):
         plots.layer_norms(df, stack="encoder", ax=ax)
+
+
+def test_layer_norms_other_roles_average_the_layers_sites(ax):
+    df = grad_table()
+    plots.layer_norms(df, role="norm_in", hue_order=["post_ln"], ax=ax)
+    sel = df[(df.variant == "post_ln") & (df.step == 0) & df.site.str.fullmatch(r"decoder\.layers\.\d+\.\w+\.norm\.in")]
+    np.testing.assert_allclose(ax.lines[0].get_ydata(), sel.groupby(sel.layer.astype(int))["value"].mean().to_numpy())
+    assert "norm_in sites" in ax.get_title()
+
+
+def test_layer_norms_select_foreign_blocks_by_role(ax):
+    """Blocks of another model (``transformer.h.<i>``): layer outputs found by role, their norms left out."""
+    rows = [dict(run="gpt2", variant="GPT2LMHeadModel", step=0, stack="transformer.h", layer=i, site=site, role=role,
+                 quantity="act_grad_norm", value=v)
+            for i in range(1, L + 1)
+            for site, role, v in ((f"transformer.h.{i - 1}.out", "layer_out", float(i)),
+                                  (f"transformer.h.{i - 1}.ln_1.out", "norm_out", 100.0 * i))]
+    plots.layer_norms(make_frame(rows), stack="transformer.h", ax=ax)
+    np.testing.assert_array_equal(ax.lines[0].get_xdata(), np.arange(1, L + 1))
+    np.testing.assert_allclose(ax.lines[0].get_ydata(), np.arange(1, L + 1))
+
+
+def test_sublayer_is_the_layers_child_holding_the_site():
+    sites = pd.Series(["decoder.layers.3.cross_attn.norm.in", "encoder.layers.0.ffn.norm", "decoder.layers.3.out",
+                       "decoder.embed.out", "model.layers.3.input_layernorm.in", "transformer.h.3.ln_1.in", ""],
+                      dtype="string")
+    assert select.sublayer(sites).tolist() == ["cross_attn", "ffn", "", "", "input_layernorm", "", ""]
 
 
 def test_location_norms_default_layers_and_values(ax):

@@ -1,4 +1,10 @@
-"""Writes the tidy table as TensorBoard scalars (readable by TensorBoard and tbparse)."""
+"""Writes the tidy table as TensorBoard scalars (readable by TensorBoard and tbparse).
+
+The public way to get a recording into TensorBoard, for a live recorder or a saved table::
+
+    from gradscope.integrations.tensorboard import to_tensorboard
+    to_tensorboard(rec.frame(), "runs/tb")               # or gradscope.load("runs/run.parquet")
+"""
 
 from __future__ import annotations
 
@@ -23,7 +29,7 @@ def to_tensorboard(df: pd.DataFrame, log_dir: str | os.PathLike) -> int:
     """Writes every row as a scalar ``tag = scalar_tag(row)`` at ``global_step = step``.
 
     Args:
-        df: a gradscope table.
+        df: a gradscope table (``rec.frame()``, ``gradscope.load(path)``).
         log_dir: TensorBoard run folder (created).
 
     Returns:

@@ -91,8 +91,10 @@ def sublayer(sites: pd.Series) -> pd.Series:
         sites: site names.
 
     Returns:
-        The sub-layer name per site; ``""`` for sites not inside a zoo sub-layer (layer
-        inputs/outputs, embeddings, foreign models' sites).
+        Per site, the name of the layer's child module that holds it (the part after
+        ``.layers.<i>.``: ``input_layernorm`` in a Llama ``model.layers.3.input_layernorm.in``);
+        ``""`` for sites that are not inside a layer's child (layer inputs/outputs,
+        embeddings, final norms, block lists not called ``layers``).
     """
     return sites.astype("string").str.extract(_SUBLAYER, expand=False).fillna("")
 
