@@ -141,6 +141,9 @@ def _legacy_role(site: str, stack: str, layer: int | None, zoo: bool) -> str:
                 return role
     if name.startswith("memory."):
         return "memory"
+    combine_norm = re.search(r"\.combine\.norms\.\d+\.(in|out)$", name)  # DLCL's per-layer norms
+    if combine_norm:
+        return f"norm_{combine_norm[1]}"
     for suffix, role in _ZOO_SUFFIXES:
         if name.endswith(suffix):
             return role

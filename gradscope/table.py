@@ -26,9 +26,9 @@ Columns:
     reduction: how the loss was reduced over tokens (``"mean"`` or ``"sum"``), so that
         gradient norms from different runs are comparable.
     role: what the site is, stated once by the recorder's layout for zoo and foreign
-        models alike (``gradscope.recorder.layout.ROLES``: ``embed``, ``layer_in``,
+        models alike ( ``embed``, ``layer_in``,
         ``layer_out``, ``branch``, ``sum``, ``norm_in``, ``norm_out``, ``final_norm_in``,
-        ``final_norm_out``, ``combine``, ``memory``, ``other``); ``""`` for rows that are
+        ``final_norm_out``, ``combine``, ``memory``, ``other``: :data:`ROLES`); ``""`` for rows that are
         not at a site (parameter groups, norms' ln_gain, losses). Select on it, never by
         parsing site names.
 """
@@ -71,6 +71,12 @@ DTYPES: dict[str, str] = {
     "reduction": "string",
     "role": "string",
 }
+
+ROLES: tuple[str, ...] = (
+    "embed", "layer_in", "layer_out", "branch", "sum", "norm_in", "norm_out",
+    "final_norm_in", "final_norm_out", "combine", "memory", "other",
+)
+"""What a site is (the ``role`` column); rows that are not at a site have role ``""``."""
 
 QUANTITIES: tuple[str, ...] = (
     "act_grad_norm",

@@ -35,12 +35,7 @@ from torch import nn
 
 from gradscope.models.norms import ScaleNorm
 from gradscope.models.sites import Site, SiteNorm
-
-ROLES: tuple[str, ...] = (
-    "embed", "layer_in", "layer_out", "branch", "sum", "norm_in", "norm_out",
-    "final_norm_in", "final_norm_out", "combine", "memory", "other",
-)
-"""What a site is. Rows that are not at a site (parameter groups, losses) have role ``""``."""
+from gradscope.table import ROLES  # noqa: F401  (re-exported: what a site can be)
 
 KNOWN_NORMS = (
     nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, ScaleNorm,
@@ -146,8 +141,14 @@ def _zoo_role(name: str) -> str:
 
 
 def _zoo_layout(model: nn.Module) -> Layout:
+    norm_sites = {}  # the in/out sites of every SiteNorm are norm sites, wherever they sit
+    for name, module in model.named_modules():
+        if isinstance(module, SiteNorm):
+            final = name.endswith("final_norm")
+            norm_sites[f"{name}.in"] = "final_norm_in" if final else "norm_in"
+            norm_sites[f"{name}.out"] = "final_norm_out" if final else "norm_out"
     probes = [
-        Probe(name, module, "output", *_zoo_position(name), _zoo_role(name))
+        Probe(name, module, "output", *_zoo_position(name), norm_sites.get(name) or _zoo_role(name))
         for name, module in model.named_modules() if isinstance(module, Site)
     ]
     norms = [

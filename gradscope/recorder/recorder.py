@@ -353,12 +353,6 @@ class Recorder:
         if df is not None:
             save_frame(df, path)
 
-    def to_tensorboard(self, log_dir) -> int:
-        """Writes ``frame()`` as TensorBoard scalars; see ``gradscope.integrations.tensorboard``."""
-        from gradscope.integrations.tensorboard import to_tensorboard
-
-        return to_tensorboard(self.frame(), log_dir)
-
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer); the recorded table stays readable."""
         self._capture.remove()
