@@ -26,6 +26,7 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -43,20 +44,24 @@ FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit 
 
 class Tap(torch.autograd.Function):
     """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
-    (fp32) at ``slot`` of the probe's gradient."""
+    (fp32) at ``slot`` of the probe's gradient. Run eagerly (``capture`` given), it hands
+    ‖grad‖² to the capture instead, which saves the probe's padding and summing."""
 
     @staticmethod
-    def forward(x: torch.Tensor, probe: torch.Tensor, slot: int) -> torch.Tensor:
+    def forward(x: torch.Tensor, probe: torch.Tensor, slot: int, capture) -> torch.Tensor:
         return x.detach()  # an alias, not a view: in-place ops after the site stay legal
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        ctx.slot, ctx.size = inputs[2], inputs[1].shape[0]
+        ctx.slot, ctx.size, ctx.capture = inputs[2], inputs[1].shape[0], inputs[3]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if ctx.capture is not None:  # eager: hand ‖grad‖² over, no padding or summing
+            ctx.capture.add_grad(ctx.slot, torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+            return grad, None, None, None
         sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
-        return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None
+        return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
 
 
 class NormTap(torch.autograd.Function):
@@ -64,20 +69,24 @@ class NormTap(torch.autograd.Function):
     alone, at its input; :func:`~gradscope.recorder.norm_stats.isolated_grad_sq`) at ``slot``."""
 
     @staticmethod
-    def forward(y, x, probe, slot, kind, w, is_ln, eps, dims):
+    def forward(y, x, probe, slot, kind, w, is_ln, eps, dims, capture):
         return y.detach()
 
     @staticmethod
     def setup_context(ctx, inputs, output) -> None:
-        _, x, probe, ctx.slot, ctx.kind, w, is_ln, ctx.eps, ctx.dims = inputs
+        _, x, probe, ctx.slot, ctx.kind, w, is_ln, ctx.eps, ctx.dims, ctx.capture = inputs
         ctx.size = probe.shape[0]
         ctx.save_for_backward(x, w, is_ln)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         x, w, is_ln = ctx.saved_tensors
-        sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims).reshape(1)
-        return grad, None, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None, None, None, None, None
+        sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
+        if ctx.capture is not None:
+            ctx.capture.add_grad(ctx.slot, sq)
+            return grad, None, None, None, None, None, None, None, None, None
+        sq = F.pad(sq.reshape(1), (ctx.slot, ctx.size - ctx.slot - 1))
+        return grad, None, sq, None, None, None, None, None, None, None
 
 
 def first_tensor(value) -> torch.Tensor | None:
@@ -141,15 +150,25 @@ class Capture:
         self.cos_offset: torch.Tensor | None = None  # () in [0, 1): stratified token sampling offset
         self.cosine_tokens = 0
         self.masks: dict[str, torch.Tensor] = {}
-        self.snapshots: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor, np.ndarray]] = []
+        # eager fast path: marks on the host, values and gradient norms gathered per micro-step
+        self.marks = np.zeros(self.n_slots)
+        self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
+        self.pending_grad: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖²)
+        self._queued = False
         index = {p.name: i for i, p in enumerate(self.points)}
         self._norm_kind = [norm_kind(n.module) for n in layout.norms]
-        self._norm_in = [index.get(n.site_in) for n in layout.norms]  # point whose gradient the norm's tap gives
-        tapped_in = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k is not None}
-        # a norm's input is never tapped (see NormTap); its gradient comes from the norm's tap
+        self._norm_in = [index.get(n.site_in) for n in layout.norms]  # point whose gradient the norm gives
+        # A norm's input is tapped only when the norm is one fused op that reads it once
+        # (nn.LayerNorm): the tap then passes on exactly the one gradient autograd would add.
+        # Other norms use their input twice (x·rsqrt(mean x²)); a tap would sum those two
+        # contributions before the residual's, changing training in the last bit, so their
+        # gradient comes from the tap on their output (NormTap, closed form).
         norm_inputs = {n.site_in for n in layout.norms}
-        self._taps = [p.name not in norm_inputs for p in self.points]
-        self._marks = [p.name not in norm_inputs or p.name in tapped_in for p in self.points]
+        fused = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k == "ln"}
+        by_output = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k not in (None, "ln")}
+        self._taps = [p.name not in norm_inputs or p.name in fused for p in self.points]
+        self._marks = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self._stack_pos = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
         self._widths = {st.name: (st.width, len(st.sites)) for st in layout.stacks}
         self.handles: list = []
@@ -169,6 +188,8 @@ class Capture:
     def remove(self) -> None:
         """Removes every hook and lets the buffers go."""
         self.on = False
+        self.pending_fwd.clear()
+        self.pending_grad.clear()
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -182,11 +203,14 @@ class Capture:
         if self.device != device or self.probe is None:
             self.device = device
             self.probe = torch.zeros(self.n_taps, device=device, requires_grad=True)
-            self.probe.register_post_accumulate_grad_hook(self._on_backward)
+            self.probe.register_post_accumulate_grad_hook(lambda probe: self.snapshot())
             self.fwd = torch.zeros(self.n_slots, FWD, device=device)
             self.cos_rows, self.cos_weight, self.cos_written = {}, {}, {}
         self.probe.grad = None
         self.fwd.zero_()
+        self.marks[:] = 0
+        self.pending_fwd.clear()
+        self.pending_grad.clear()
         self.snapshots.clear()
         self.want_value, self.want_grad, self.want_wsig, self.want_cosine = value, grad, wsig, cosine
         if cosine:
@@ -206,21 +230,58 @@ class Capture:
         self.seq = 0
         self.on = True
 
-    def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int]]:
-        """Disarms the hooks; returns the step's snapshots (grad², forward buffer) per
-        backward, a last one for forward work after the last backward, and the call counts."""
+    def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, np.ndarray]], list[int]]:
+        """Disarms the hooks; returns the step's snapshots (‖grad‖² per tap, forward buffer,
+        host marks), one per backward and a last one for forward work after the last
+        backward, and the call counts."""
         self.on = False
-        zero = torch.zeros(self.n_taps, device=self.device)
-        self.snapshots.append((zero, self.fwd.clone()))
+        self.snapshot()
         snapshots, self.snapshots = self.snapshots, []
         return snapshots, list(self.calls)
 
-    def _on_backward(self, probe: torch.Tensor) -> None:
-        """Post-accumulate hook of the probe: one snapshot per backward that reached a tap."""
-        self.snapshots.append((probe.grad, self.fwd.clone()))
-        probe.grad = None
+    def add_grad(self, slot: int, sq: torch.Tensor) -> None:
+        """An eager tap's ‖grad‖²; the end of this backward takes the snapshot."""
+        self.pending_grad.append((slot, sq))
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.snapshot)
+
+    def snapshot(self) -> None:
+        """Sets this micro-step's captures aside: at the end of a backward (the probe's
+        gradient accumulated, or the eager taps' callback) and at the end of the step."""
+        self._queued = False
+        grads = self.probe.grad if self.probe.grad is not None else torch.zeros(self.n_taps, device=self.device)
+        self.probe.grad = None
+        if self.pending_grad:
+            idx = torch.tensor([s for s, _ in self.pending_grad], device=self.device)
+            grads = grads.index_add(0, idx, torch.stack([v for _, v in self.pending_grad]))
+        fwd = self.fwd.clone()
+        if self.pending_fwd:
+            rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)
+            cols = torch.tensor([c for _, c, _ in self.pending_fwd], device=self.device)
+            fwd.index_put_((rows, cols), torch.stack([v.float() for _, _, v in self.pending_fwd]))
+        self.snapshots.append((grads, fwd, self.marks.copy()))
         self.fwd.zero_()
+        self.marks[:] = 0
+        self.pending_fwd.clear()
+        self.pending_grad.clear()
         self.recalls = [0] * len(self.recalls)
+
+    def _mark(self, slot: int, value: float) -> None:
+        if torch.compiler.is_compiling():
+            self.fwd[slot, 0] = value
+        else:
+            self.marks[slot] = value
+
+    def _put(self, slot: int, channel: int, value: torch.Tensor) -> None:
+        if torch.compiler.is_compiling():
+            self.fwd[slot, channel] = value
+        else:
+            self.pending_fwd.append((slot, channel, value))
+
+    def _eager(self):
+        """The capture itself when running eagerly (taps report to it), None when traced."""
+        return None if torch.compiler.is_compiling() else self
 
     # -- hooks ----------------------------------------------------------------------------
     def _root_pre(self, module, args, kwargs):
@@ -252,12 +313,12 @@ class Capture:
         tap = grad and self._taps[i]
         if not recompute:
             self.seq += 1
-            self.fwd[slot, 0] = self.seq if grad and self._marks[i] else -self.seq
+            self._mark(slot, self.seq if grad and self._marks[i] else -self.seq)
             if self.want_value:
-                self.fwd[slot, 1] = torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+                self._put(slot, 1, torch.linalg.vector_norm(t.detach(), dtype=torch.float32))
             if self.want_cosine and slot % self.K == 0:
                 self._cosine(self.points[i].name, t)
-        return Tap.apply(t, self.probe, slot) if tap else None
+        return Tap.apply(t, self.probe, slot, self._eager()) if tap else None
 
     def _output_hook(self, i: int):
         def hook(module, args, output):
@@ -300,21 +361,22 @@ class Capture:
                 return None
             x = found[1]
             c, recompute = self._call(counter)
-            grad = kind is not None and point is not None and self.want_grad and y.requires_grad and torch.is_grad_enabled()
+            grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad
+                    and torch.is_grad_enabled())
             gain = None
             if kind == "fit" and (grad or self.want_wsig) and not recompute:
                 gain = norm_gain(module, kind, x, y)
-                self.fwd[self.n_taps + j * self.K + c, 2] = gain[4]
+                self._put(self.n_taps + j * self.K + c, 2, gain[4])
             if self.want_wsig and not recompute:
                 value = w_over_sigma(module, x, y)
                 if value is not None:
                     slot = self.n_taps + j * self.K + c
-                    self.fwd[slot, 0] = 1.0
-                    self.fwd[slot, 1] = value
+                    self._mark(slot, 1.0)
+                    self._put(slot, 1, value)
             if not grad:
                 return None
             w, is_ln, eps, dims, _ = gain if gain is not None else norm_gain(module, kind, x, y)
-            tapped = NormTap.apply(y, x, self.probe, point * self.K + c, kind, w, is_ln, eps, dims)
+            tapped = NormTap.apply(y, x, self.probe, point * self.K + c, kind, w, is_ln, eps, dims, self._eager())
             return _replace_first(output, tapped)
 
         return hook

@@ -18,7 +18,7 @@ MISFIT = 1e-4  # a fitted norm whose residual exceeds this share of Var(y) is no
 SCALE = "__scale__"
 
 
-def micro_steps(snapshots: np.ndarray, n_taps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_taps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Splits the captured snapshots into micro-steps: (grad², order, value), each (M, ·).
 
     Each snapshot is one backward's ‖grad‖² per tap followed by the forward buffer. A
@@ -26,7 +26,8 @@ def micro_steps(snapshots: np.ndarray, n_taps: int) -> tuple[np.ndarray, np.ndar
     checkpointing) adds its gradients to that micro-step; a last snapshot with neither is
     dropped.
     """
-    grads, fwd = snapshots[:, :n_taps], snapshots[:, n_taps:].reshape(len(snapshots), -1, FWD)
+    grads, fwd = snapshots[:, :n_taps], snapshots[:, n_taps:].reshape(len(snapshots), -1, FWD).copy()
+    fwd[:, :, 0] += marks  # eager calls keep their order marks on the host, compiled ones on the device
     keep_g, keep_o, keep_v, misfit = [], [], [], fwd[:, :, 2].max(axis=0)
     for g, f in zip(grads, fwd):
         called = bool((f[:, 0] != 0).any())
@@ -59,7 +60,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
         if scale is not None and k[4] == "param_grad_norm" and not params_unscaled:
             v = v / scale
         device.setdefault(k[4], []).append((k, float(v)))
-    grad_sq, order, value, misfit = micro_steps(blocks["snapshots"], len(points) * K)
+    grad_sq, order, value, misfit = micro_steps(blocks["snapshots"], blocks["marks"], len(points) * K)
     base, index = len(points) * K, {p.name: i for i, p in enumerate(points)}
     unfit = {n.name for j, n in enumerate(layout.norms) if (misfit[base + j * K: base + (j + 1) * K] > MISFIT).any()}
     for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows

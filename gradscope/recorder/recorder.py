@@ -217,6 +217,8 @@ class Recorder:
         """Discards the open step (after an exception): nothing stored."""
         self._capture.on = False
         self._capture.snapshots.clear()
+        self._capture.pending_fwd.clear()
+        self._capture.pending_grad.clear()
         self._step, self._buffer, self._recording = None, None, False
 
     @property
@@ -254,8 +256,9 @@ class Recorder:
             for name in wants:
                 if name in REGISTRY:
                     REGISTRY[name].collect(self, buf)
-            buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f in snapshots]))
+            buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f, _ in snapshots]))
             keys, values, blocks = buf.to_host()  # the one host transfer of this step
+            blocks["marks"] = np.stack([m for _, _, m in snapshots])
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
                                        K=self._capture.K, wants=wants, params_unscaled=self._params_unscaled())
         self._ever_seen = check_calls(self, step, data, calls)
