@@ -54,8 +54,16 @@ from collections.abc import Callable
 import torch
 from torch._dynamo.utils import counters
 
-from benchmarks.overhead_methods import (METHODS, EagerOnly, Method, breakdown_methods, make_batch, make_model,
-                                         make_optimizer, plain)
+from benchmarks.overhead_methods import (
+    METHODS,
+    EagerOnly,
+    Method,
+    breakdown_methods,
+    make_batch,
+    make_model,
+    make_optimizer,
+    plain,
+)
 
 PLAIN = "plain step (ms; the reference)"
 
@@ -134,7 +142,7 @@ def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[
         if df is not None:
             check["rows in timed steps"] = int((df.step >= args.warmup).sum())
             check["rows in warm-up"] = int((df.step < args.warmup).sum())
-    except Exception as err:  # report what broke, with its trace, and go on with the other methods
+    except Exception as err:  # noqa: BLE001 -- report what broke, with its trace, and go on with the others
         print(f"\n[{method.name}, {'compiled' if compiled else 'eager'}] failed:", file=sys.stderr)
         traceback.print_exc()
         return f"error: {type(err).__name__} (trace on stderr)", check
@@ -246,7 +254,8 @@ def main(argv: list[str] | None = None) -> int:
             table.setdefault(name, []).append(cell)
         label = f"{depth} layers {mode_name[compiled]}"
         checks += [(name, label, c) for name, c in cell_checks.items() if c]
-        print(f"  measured {label} ({time.perf_counter() - t_start:.0f} s so far)", file=sys.stderr, flush=True)
+        print(f"  measured {label} ({time.perf_counter() - t_start:.0f} s so far): "
+              + "; ".join(f"{name}: {cell}" for name, cell in cells.items()), file=sys.stderr, flush=True)
     print(load_line("after"))
     print(f"total time: {time.perf_counter() - t_start:.0f} s\n")
     print("| method | " + " | ".join(f"{d} layers {mode_name[c]}" for d, c in columns) + " |")

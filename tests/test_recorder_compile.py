@@ -72,7 +72,7 @@ def test_recorder_made_after_the_compiled_model_ran_raises_instead_of_an_empty_t
     import gradscope
 
     rec = gradscope.Recorder(compiled)  # the torch.compile wrapper is unwrapped
-    with pytest.raises(RuntimeError, match="Make the Recorder before the first call of the compiled model"):
+    with pytest.raises(RuntimeError, match="make the Recorder before the first compiled call"):
         with rec.step(0):
             compiled(x).sum().backward()
     rec.close()

@@ -48,12 +48,11 @@ class Tap(torch.autograd.Function):
     ‖grad‖² to the capture instead, which saves the probe's padding and summing."""
 
     @staticmethod
-    def forward(x: torch.Tensor, probe: torch.Tensor, slot: int, capture) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, probe: torch.Tensor, slot: int, capture) -> torch.Tensor:
+        # (forward takes ctx itself: a separate setup_context makes every eager apply bind its
+        # arguments through inspect.signature, which costs more than the rest of the tap)
+        ctx.slot, ctx.size, ctx.capture = slot, probe.shape[0], capture
         return x.detach()  # an alias, not a view: in-place ops after the site stay legal
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        ctx.slot, ctx.size, ctx.capture = inputs[2], inputs[1].shape[0], inputs[3]
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -69,14 +68,10 @@ class NormTap(torch.autograd.Function):
     alone, at its input; :func:`~gradscope.recorder.norm_stats.isolated_grad_sq`) at ``slot``."""
 
     @staticmethod
-    def forward(y, x, probe, slot, kind, w, is_ln, eps, dims, capture):
-        return y.detach()
-
-    @staticmethod
-    def setup_context(ctx, inputs, output) -> None:
-        _, x, probe, ctx.slot, ctx.kind, w, is_ln, ctx.eps, ctx.dims, ctx.capture = inputs
-        ctx.size = probe.shape[0]
+    def forward(ctx, y, x, probe, slot, kind, w, is_ln, eps, dims, capture):
+        ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.capture, ctx.size = slot, kind, eps, dims, capture, probe.shape[0]
         ctx.save_for_backward(x, w, is_ln)
+        return y.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):

@@ -89,10 +89,12 @@ def check_calls(rec, step: int, data: StepData, calls: list[int]) -> bool:
     if not seen:
         if not rec._ever_seen and rec._grad_versions is not None and rec._grad_versions != grad_versions(rec.model):
             raise RuntimeError(
-                "Recorder: backward ran in this step but none of the recorder's hooks fired. The model was most "
-                "likely compiled and called before the Recorder was made: torch.compile does not see hooks added "
-                "after its first trace. Make the Recorder before the first call of the compiled model (or call "
-                "torch._dynamo.reset() and let it trace again)."
+                "Recorder: backward ran in this step but none of the recorder's hooks fired. Most likely the model "
+                "was compiled and called before the Recorder was made (torch.compile does not see hooks added after "
+                "its first trace): make the Recorder before the first compiled call, or call torch._dynamo.reset(). "
+                "Or another instance of the same model class was compiled earlier in this process, and Dynamo, which "
+                "by default does not guard on module hooks, reused that graph: set "
+                "torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling."
             )
         return rec._ever_seen
     silent = [p.name for p in rec._capture.points if p.name not in seen and p.name not in rec._warned]

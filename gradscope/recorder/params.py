@@ -48,10 +48,22 @@ class ParamGroups:
         """The model's parameters now, in ``self.names`` order.
 
         Read live (``fully_shard`` replaces parameter objects, and a module swapped in after
-        the recorder was built brings new ones). A model whose parameter names changed
-        (parameters added, removed or newly tied) cannot be mapped to the groups found at
-        construction, and raises.
+        the recorder was built brings new ones), through a cached map of where each
+        parameter lives that is checked, cheaply, against the module tree on every read. A
+        model whose parameter names changed (parameters added, removed or newly tied)
+        cannot be mapped to the groups found at construction, and raises.
         """
+        cache = getattr(self, "_where", None)
+        if cache is not None:
+            tree, counts, slots = cache
+            if all(parent._modules.get(n) is child for parent, n, child in tree) and all(
+                    len(m._parameters) == k for m, k in counts):
+                params = [m._parameters.get(n) for m, n in slots]
+                if all(p is not None for p in params) and len({id(p) for p in params}) == len(params):
+                    return params
+        return self._walk()
+
+    def _walk(self) -> list[nn.Parameter]:
         named = list(self.model.named_parameters())
         if len(named) != len(self.names) or any(n != want for (n, _), want in zip(named, self.names)):
             now = [n for n, _ in named]
@@ -60,6 +72,14 @@ class ParamGroups:
                 f"Recorder: the model's parameters changed since the Recorder was built ({len(now)} now, "
                 f"{len(self.names)} then; first difference: {diff}); build a new Recorder after changing the model"
             )
+        modules = list(self.model.modules())
+        tree = [(parent, n, child) for parent in modules for n, child in parent._modules.items() if child is not None]
+        counts = [(m, len(m._parameters)) for m in modules]
+        slots = []
+        for name, _ in named:
+            owner, _, attr = name.rpartition(".")
+            slots.append((self.model.get_submodule(owner), attr))
+        self._where = (tree, counts, slots)
         return [p for _, p in named]
 
     def membership(self, device: torch.device) -> torch.Tensor:

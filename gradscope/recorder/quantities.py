@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import cached_property
 
 import numpy as np
 import torch
@@ -50,18 +51,29 @@ class StepData:
         """The micro_step column for micro-step m (-1 when the step had only one)."""
         return m if self.micro_steps > 1 else -1
 
-    def got_grad(self, slot: int) -> np.ndarray:
-        """(M,) bool: micro-steps in which the slot's value was tapped or its gradient arrived
-        (under reentrant checkpointing the tap is in the recompute, not the first forward)."""
-        return (self.order[:, slot] > 0) | (self.grad_sq[:, slot] != 0)
+    @cached_property
+    def got(self) -> np.ndarray:
+        """(M, taps) bool: micro-steps in which a slot's value was tapped or its gradient
+        arrived (under reentrant checkpointing the tap is in the recompute)."""
+        return (self.order[:, : self.grad_sq.shape[1]] > 0) | (self.grad_sq != 0)
 
-    def slot_sites(self):
-        """(point, call, slot, site name) of every (site, call) slot called in the step."""
+    def got_grad(self, slot: int) -> np.ndarray:
+        """(M,) bool: :attr:`got` of one slot."""
+        return self.got[:, slot]
+
+    @cached_property
+    def _sites(self) -> list[tuple[Probe, int, int, str]]:
         seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | (self.grad_sq != 0).any(axis=0)
-        for slot in np.flatnonzero(seen):
-            i, c = divmod(int(slot), self.K)
+        out = []
+        for slot in np.flatnonzero(seen).tolist():
+            i, c = divmod(slot, self.K)
             p = self.points[i]
-            yield p, c, int(slot), call_name(p.name, c)
+            out.append((p, c, slot, call_name(p.name, c)))
+        return out
+
+    def slot_sites(self) -> list[tuple[Probe, int, int, str]]:
+        """(point, call, slot, site name) of every (site, call) slot called in the step."""
+        return self._sites
 
 
 def call_name(name: str, call: int) -> str:
@@ -95,16 +107,19 @@ class ActNorm(Quantity):
     name, captures = "act_norm", frozenset({"value"})
 
     def rows(self, data):
+        sites = data.slot_sites()
+        slots = [slot for _, _, slot, _ in sites]
+        called = data.order[:, slots] != 0  # (M, n)
+        value = np.where(called, data.value[:, slots], 0.0)
+        total = np.sqrt(np.square(value).sum(axis=0)).tolist()
         out = []
-        for p, c, slot, site in data.slot_sites():
-            called = data.order[:, slot] != 0
-            if not called.any():
+        for j, ((p, _, _, site), any_call) in enumerate(zip(sites, called.any(axis=0).tolist())):
+            if not any_call:
                 continue
-            vals = data.value[called, slot]
             if data.micro_steps > 1:
-                out += [((m, p.stack, p.layer, site, self.name, None, p.role), float(data.value[m, slot]))
-                        for m in np.flatnonzero(called)]
-            out.append(((-1, p.stack, p.layer, site, self.name, None, p.role), _rss(vals)))
+                out += [((m, p.stack, p.layer, site, self.name, None, p.role), float(value[m, j]))
+                        for m in np.flatnonzero(called[:, j]).tolist()]
+            out.append(((-1, p.stack, p.layer, site, self.name, None, p.role), total[j]))
         return out
 
 
@@ -114,15 +129,19 @@ class ActGradNorm(Quantity):
     name, captures = "act_grad_norm", frozenset({"grad"})
 
     def rows(self, data):
+        sites = data.slot_sites()
+        slots = [slot for _, _, slot, _ in sites]
+        got = data.got[:, slots]
+        sq = np.where(got, data.grad_sq[:, slots], 0.0)
+        total = np.sqrt(sq.sum(axis=0)).tolist()
         out = []
-        for p, c, slot, site in data.slot_sites():
-            got = data.got_grad(slot)
-            if not got.any():
+        for j, ((p, _, _, site), any_grad) in enumerate(zip(sites, got.any(axis=0).tolist())):
+            if not any_grad:
                 continue
             if data.micro_steps > 1:
-                out += [((m, p.stack, p.layer, site, self.name, None, p.role), math.sqrt(data.grad_sq[m, slot]))
-                        for m in np.flatnonzero(got)]
-            out.append(((-1, p.stack, p.layer, site, self.name, None, p.role), math.sqrt(data.grad_sq[got, slot].sum())))
+                out += [((m, p.stack, p.layer, site, self.name, None, p.role), math.sqrt(sq[m, j]))
+                        for m in np.flatnonzero(got[:, j]).tolist()]
+            out.append(((-1, p.stack, p.layer, site, self.name, None, p.role), total[j]))
         return out
 
 
@@ -134,6 +153,8 @@ class NonFinite(Quantity):
 
     def rows(self, data):
         out = []
+        if np.isfinite(data.value).all() and np.isfinite(data.grad_sq).all():
+            return out
         for m in range(data.micro_steps):
             fwd, bwd = [], []
             for p, c, slot, site in data.slot_sites():
@@ -156,22 +177,20 @@ class LnGain(Quantity):
 
     def rows(self, data):
         index = {p.name: i for i, p in enumerate(data.points)}
+        calls = np.arange(data.K)
         out = []
         for norm in data.layout.norms:
             if norm.site_in not in index or norm.site_out not in index or norm.name in data.unfit:
                 continue
-            for c in range(data.K):
-                s_in, s_out = index[norm.site_in] * data.K + c, index[norm.site_out] * data.K + c
-                got = data.got_grad(s_in) & data.got_grad(s_out)
-                if not got.any():
-                    continue
-                site = call_name(norm.name, c)
-                key = (norm.stack, norm.layer, site, self.name, None, "")
+            s_in, s_out = index[norm.site_in] * data.K + calls, index[norm.site_out] * data.K + calls
+            got = data.got[:, s_in] & data.got[:, s_out]  # (M, K)
+            for c in np.flatnonzero(got.any(axis=0)).tolist():
+                g_in, g_out = data.grad_sq[got[:, c], s_in[c]], data.grad_sq[got[:, c], s_out[c]]
+                key = (norm.stack, norm.layer, call_name(norm.name, c), self.name, None, "")
                 if data.micro_steps > 1:
-                    out += [((m, *key), _ratio(math.sqrt(data.grad_sq[m, s_in]), math.sqrt(data.grad_sq[m, s_out])))
-                            for m in np.flatnonzero(got)]
-                out.append(((-1, *key), _ratio(math.sqrt(data.grad_sq[got, s_in].sum()),
-                                               math.sqrt(data.grad_sq[got, s_out].sum()))))
+                    out += [((m, *key), _ratio(math.sqrt(a), math.sqrt(b)))
+                            for m, a, b in zip(np.flatnonzero(got[:, c]).tolist(), g_in.tolist(), g_out.tolist())]
+                out.append(((-1, *key), _ratio(math.sqrt(g_in.sum()), math.sqrt(g_out.sum()))))
         return out
 
 
@@ -187,15 +206,14 @@ class WOverSigma(Quantity):
         for j, norm in enumerate(data.layout.norms):
             if norm.name in data.unfit:
                 continue
-            for c in range(data.K):
-                slot = base + j * data.K + c
-                got = data.order[:, slot] != 0
-                if not got.any():
-                    continue
+            slots = base + j * data.K + np.arange(data.K)
+            got = data.order[:, slots] != 0  # (M, K)
+            for c in np.flatnonzero(got.any(axis=0)).tolist():
                 key = (norm.stack, norm.layer, call_name(norm.name, c), self.name, None, "")
+                vals = data.value[got[:, c], slots[c]]
                 if data.micro_steps > 1:
-                    out += [((m, *key), float(data.value[m, slot])) for m in np.flatnonzero(got)]
-                out.append(((-1, *key), float(data.value[got, slot].mean())))
+                    out += [((m, *key), v) for m, v in zip(np.flatnonzero(got[:, c]).tolist(), vals.tolist())]
+                out.append(((-1, *key), float(vals.mean())))
         return out
 
 
