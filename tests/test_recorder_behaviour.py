@@ -235,7 +235,6 @@ def test_w_over_sigma_under_checkpointing_equals_plain(use_reentrant):
 
 
 def test_recording_memory_is_flat(tmp_path):
-    import resource
 
     torch.manual_seed(0)
     model = gradscope.build_model(tiny("post_ln", "decoder"))

@@ -56,8 +56,8 @@ class Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.capture is not None:  # eager: hand ‖grad‖² over, no padding or summing
-            ctx.capture.add_grad(ctx.slot, torch.linalg.vector_norm(grad, dtype=torch.float32).square())
+        if ctx.capture is not None:  # eager: hand ‖grad‖ over (squared once per micro-step), no padding or summing
+            ctx.capture.add_grad(ctx.slot, torch.linalg.vector_norm(grad, dtype=torch.float32))
             return grad, None, None, None
         sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
         return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
@@ -78,7 +78,7 @@ class NormTap(torch.autograd.Function):
         x, w, is_ln = ctx.saved_tensors
         sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
         if ctx.capture is not None:
-            ctx.capture.add_grad(ctx.slot, sq)
+            ctx.capture.add_grad(ctx.slot, sq.sqrt())
             return grad, None, None, None, None, None, None, None, None, None
         sq = F.pad(sq.reshape(1), (ctx.slot, ctx.size - ctx.slot - 1))
         return grad, None, sq, None, None, None, None, None, None, None
@@ -149,7 +149,8 @@ class Capture:
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step
         self.marks = np.zeros(self.n_slots)
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
-        self.pending_grad: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖²)
+        self.pending_grad: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖)
+        self._last: tuple | None = None  # (tensor, version, its norm): the last site value normed, eagerly
         self._queued = False
         index = {p.name: i for i, p in enumerate(self.points)}
         self._norm_kind = [norm_kind(n.module) for n in layout.norms]
@@ -234,9 +235,9 @@ class Capture:
         snapshots, self.snapshots = self.snapshots, []
         return snapshots, list(self.calls)
 
-    def add_grad(self, slot: int, sq: torch.Tensor) -> None:
-        """An eager tap's ‖grad‖²; the end of this backward takes the snapshot."""
-        self.pending_grad.append((slot, sq))
+    def add_grad(self, slot: int, norm: torch.Tensor) -> None:
+        """An eager tap's ‖grad‖; the end of this backward takes the snapshot."""
+        self.pending_grad.append((slot, norm))
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self.snapshot)
@@ -249,7 +250,7 @@ class Capture:
         self.probe.grad = None
         if self.pending_grad:
             idx = torch.tensor([s for s, _ in self.pending_grad], device=self.device)
-            grads = grads.index_add(0, idx, torch.stack([v for _, v in self.pending_grad]))
+            grads = grads.index_add(0, idx, torch.stack([v for _, v in self.pending_grad]).square())
         fwd = self.fwd.clone()
         if self.pending_fwd:
             rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)
@@ -260,6 +261,7 @@ class Capture:
         self.marks[:] = 0
         self.pending_fwd.clear()
         self.pending_grad.clear()
+        self._last = None
         self.recalls = [0] * len(self.recalls)
 
     def _mark(self, slot: int, value: float) -> None:
@@ -310,10 +312,27 @@ class Capture:
             self.seq += 1
             self._mark(slot, self.seq if grad and self._marks[i] else -self.seq)
             if self.want_value:
-                self._put(slot, 1, torch.linalg.vector_norm(t.detach(), dtype=torch.float32))
+                self._put(slot, 1, self._value_norm(t))
             if self.want_cosine and slot % self.K == 0:
                 self._cosine(self.points[i].name, t)
-        return Tap.apply(t, self.probe, slot, self._eager()) if tap else None
+        if not tap:
+            return None
+        out = Tap.apply(t, self.probe, slot, self._eager())
+        if self._last is not None and self._last[0] is t:
+            self._last = (out, out._version, self._last[2])  # the next site often receives this very tensor
+        return out
+
+    def _value_norm(self, t: torch.Tensor) -> torch.Tensor:
+        """‖t‖; eagerly, a site that receives the very tensor (same version) the last site
+        passed on reuses its norm (a layer's ``out`` is the next layer's ``in``)."""
+        if torch.compiler.is_compiling():
+            return torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+        last = self._last
+        if last is not None and last[0] is t and last[1] == t._version:
+            return last[2]
+        norm = torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+        self._last = (t, t._version, norm)
+        return norm
 
     def _output_hook(self, i: int):
         def hook(module, args, output):

@@ -56,6 +56,9 @@ def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
         return None
     x = x.detach()
     if isinstance(module, nn.LayerNorm):
+        rstd = _saved_rstd(y)
+        if rstd is not None:  # eager: the 1/σ LayerNorm saved for its backward, at no cost
+            return _gain(module.weight) * rstd.float().mean()
         dims = tuple(range(-len(module.normalized_shape), 0))
         sigma = torch.sqrt(x.float().var(dim=dims, unbiased=False) + module.eps)
         return _gain(module.weight) * sigma.reciprocal().mean()
@@ -68,6 +71,23 @@ def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
         norm = torch.linalg.vector_norm(x.float(), dim=-1).clamp_min(module.eps)
         return (module.g.detach().float() / norm).mean()
     return _fitted(x, y.detach(), norm_eps(module))
+
+
+def _saved_rstd(y: torch.Tensor) -> torch.Tensor | None:
+    """1/σ per token as PyTorch's fused LayerNorm saved it for backward, when it can be read
+    without side effects: eagerly (not while compiling), from an fp32/fp64 result, and not
+    while a saved-tensor hook is active (checkpointing, offloading), where reading it could
+    unpack or recompute it."""
+    if torch.compiler.is_compiling():
+        return None
+    node = y.grad_fn
+    if type(node).__name__ != "NativeLayerNormBackward0":
+        return None
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None or top(True) is not None:
+        return None
+    rstd = node._saved_result2
+    return rstd if rstd.dtype in (torch.float32, torch.float64) else None
 
 
 def _gain(weight: torch.Tensor | None) -> torch.Tensor | float:
