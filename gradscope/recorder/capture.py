@@ -32,83 +32,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradscope.recorder.layout import Layout
-from gradscope.recorder.norm_stats import (
-    isolated_grad_sq,
-    norm_gain,
-    norm_kind,
-    w_over_sigma,
-)
+from gradscope.recorder.norm_stats import norm_gain, norm_kind, w_over_sigma
+from gradscope.recorder.taps import NormTap, Tap, first_tensor, main_input, replace_first
 
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm
-
-
-class Tap(torch.autograd.Function):
-    """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
-    (fp32) at ``slot`` of the probe's gradient. Run eagerly (``capture`` given), it hands
-    ‖grad‖² to the capture instead, which saves the probe's padding and summing."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, probe: torch.Tensor, slot: int, capture) -> torch.Tensor:
-        # (forward takes ctx itself: a separate setup_context makes every eager apply bind its
-        # arguments through inspect.signature, which costs more than the rest of the tap)
-        ctx.slot, ctx.size, ctx.capture = slot, probe.shape[0], capture
-        return x.detach()  # an alias, not a view: in-place ops after the site stay legal
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        if ctx.capture is not None:  # eager: hand ‖grad‖ over (squared once per micro-step), no padding or summing
-            ctx.capture.add_grad(ctx.slot, torch.linalg.vector_norm(grad, dtype=torch.float32))
-            return grad, None, None, None
-        sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
-        return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
-
-
-class NormTap(torch.autograd.Function):
-    """Identity on a norm's output; backward adds ‖Jᵀgrad‖² (the gradient through the norm
-    alone, at its input; :func:`~gradscope.recorder.norm_stats.isolated_grad_sq`) at ``slot``."""
-
-    @staticmethod
-    def forward(ctx, y, x, probe, slot, kind, w, is_ln, eps, dims, capture):
-        ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.capture, ctx.size = slot, kind, eps, dims, capture, probe.shape[0]
-        ctx.save_for_backward(x, w, is_ln)
-        return y.detach()
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, w, is_ln = ctx.saved_tensors
-        sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
-        if ctx.capture is not None:
-            ctx.capture.add_grad(ctx.slot, sq.sqrt())
-            return grad, None, None, None, None, None, None, None, None, None
-        sq = F.pad(sq.reshape(1), (ctx.slot, ctx.size - ctx.slot - 1))
-        return grad, None, sq, None, None, None, None, None, None, None
-
-
-def first_tensor(value) -> torch.Tensor | None:
-    """A module output's main tensor: the value itself, or the first item of a tuple/list."""
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        return value[0]
-    return None
-
-
-def _replace_first(value, new: torch.Tensor):
-    if isinstance(value, torch.Tensor):
-        return new
-    return type(value)((new, *value[1:])) if isinstance(value, tuple) else [new, *value[1:]]
-
-
-def main_input(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor] | None:
-    """(position or keyword, tensor) of a module's main input: the first positional tensor,
-    else the first floating-point tensor passed by keyword (``hidden_states``, ``x``...)."""
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            return (i, a) if a.is_floating_point() else None
-    for k, v in kwargs.items():
-        if isinstance(v, torch.Tensor) and v.is_floating_point():
-            return k, v
-    return None
 
 
 def _in_backward() -> bool:
@@ -342,7 +269,7 @@ class Capture:
             if t is None or not t.is_floating_point():
                 return None
             new = self._observe(i, t)
-            return None if new is None else _replace_first(output, new)
+            return None if new is None else replace_first(output, new)
 
         return hook
 
@@ -391,7 +318,7 @@ class Capture:
                 return None
             w, is_ln, eps, dims, _ = gain if gain is not None else norm_gain(module, kind, x, y)
             tapped = NormTap.apply(y, x, self.probe, point * self.K + c, kind, w, is_ln, eps, dims, self._eager())
-            return _replace_first(output, tapped)
+            return replace_first(output, tapped)
 
         return hook
 

@@ -1,0 +1,78 @@
+"""The identity autograd Functions that carry a site's gradient norm out of backward, and
+how a hook finds a module's main input and output tensors."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from gradscope.recorder.norm_stats import isolated_grad_sq
+
+
+class Tap(torch.autograd.Function):
+    """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
+    (fp32) at ``slot`` of the probe's gradient. Run eagerly (``capture`` given), it hands
+    ‖grad‖² to the capture instead, which saves the probe's padding and summing."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, probe: torch.Tensor, slot: int, capture) -> torch.Tensor:
+        # (forward takes ctx itself: a separate setup_context makes every eager apply bind its
+        # arguments through inspect.signature, which costs more than the rest of the tap)
+        ctx.slot, ctx.size, ctx.capture = slot, probe.shape[0], capture
+        return x.detach()  # an alias, not a view: in-place ops after the site stay legal
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        if ctx.capture is not None:  # eager: hand ‖grad‖ over (squared once per micro-step), no padding or summing
+            ctx.capture.add_grad(ctx.slot, torch.linalg.vector_norm(grad, dtype=torch.float32))
+            return grad, None, None, None
+        sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
+        return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
+
+
+class NormTap(torch.autograd.Function):
+    """Identity on a norm's output; backward adds ‖Jᵀgrad‖² (the gradient through the norm
+    alone, at its input; :func:`~gradscope.recorder.norm_stats.isolated_grad_sq`) at ``slot``."""
+
+    @staticmethod
+    def forward(ctx, y, x, probe, slot, kind, w, is_ln, eps, dims, capture):
+        ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.capture, ctx.size = slot, kind, eps, dims, capture, probe.shape[0]
+        ctx.save_for_backward(x, w, is_ln)
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, w, is_ln = ctx.saved_tensors
+        sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
+        if ctx.capture is not None:
+            ctx.capture.add_grad(ctx.slot, sq.sqrt())
+            return grad, None, None, None, None, None, None, None, None, None
+        sq = F.pad(sq.reshape(1), (ctx.slot, ctx.size - ctx.slot - 1))
+        return grad, None, sq, None, None, None, None, None, None, None
+
+
+def first_tensor(value) -> torch.Tensor | None:
+    """A module output's main tensor: the value itself, or the first item of a tuple/list."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
+        return value[0]
+    return None
+
+
+def replace_first(value, new: torch.Tensor):
+    if isinstance(value, torch.Tensor):
+        return new
+    return type(value)((new, *value[1:])) if isinstance(value, tuple) else [new, *value[1:]]
+
+
+def main_input(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor] | None:
+    """(position or keyword, tensor) of a module's main input: the first positional tensor,
+    else the first floating-point tensor passed by keyword (``hidden_states``, ``x``...)."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (i, a) if a.is_floating_point() else None
+    for k, v in kwargs.items():
+        if isinstance(v, torch.Tensor) and v.is_floating_point():
+            return k, v
+    return None
