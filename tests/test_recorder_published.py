@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradscope
-from recorder_ref import all_hook_dicts_empty, assert_rel, norm_gains
+from recorder_ref import _first, all_hook_dicts_empty, assert_rel, norm_gains
 
 transformers = pytest.importorskip("transformers")
 x_transformers = pytest.importorskip("x_transformers")
@@ -304,12 +304,7 @@ def block_modules(model) -> dict[str, nn.Module]:
 
 
 # -- references -----------------------------------------------------------------------------------
-def _first_tensor(value):
-    if isinstance(value, torch.Tensor):
-        return value
-    if isinstance(value, (tuple, list)) and value and isinstance(value[0], torch.Tensor):
-        return value[0]
-    return None
+_first_tensor = _first  # a module output's main tensor (recorder_ref)
 
 
 def _main_input(args, kwargs):
