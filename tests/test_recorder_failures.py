@@ -113,6 +113,23 @@ class MLPBlock(nn.Module):
         return x + torch.tanh(self.fc(x))
 
 
+class Chain(nn.Module):
+    """inp -> the blocks in order (an nn.ModuleList named ``attr``) -> head."""
+
+    def __init__(self, blocks, attr: str = "blocks"):
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.attr = attr
+        setattr(self, attr, nn.ModuleList(blocks))
+        self.head = nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for blk in getattr(self, self.attr):
+            h = blk(h)
+        return self.head(h)
+
+
 # -- 1. a ModuleList holding only None ------------------------------------------------------------
 class NoneListModel(nn.Module):
     def __init__(self):
@@ -311,18 +328,8 @@ class EncoderLayerStableLayerNorm(nn.Module):
         return h + self.dropout(self.ff(self.final_layer_norm(h)))
 
 
-class StableEncoder(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.layers = nn.ModuleList([EncoderLayerStableLayerNorm(), EncoderLayerStableLayerNorm()])
-        self.head = nn.Linear(D, D)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for layer in self.layers:
-            h = layer(h)
-        return self.head(h)
+def stable_encoder():
+    return Chain([EncoderLayerStableLayerNorm(), EncoderLayerStableLayerNorm()], "layers")
 
 
 class _null:
@@ -352,8 +359,8 @@ def _train(make, record: bool, steps: int = 3, **kwargs):
 
 
 def test_stable_layer_norm_encoder_layer_is_not_a_norm():
-    plain, _, rng_plain = _train(StableEncoder, record=False)
-    recorded, df, rng_rec = _train(StableEncoder, record=True, quantities="all")
+    plain, _, rng_plain = _train(stable_encoder, record=False)
+    recorded, df, rng_rec = _train(stable_encoder, record=True, quantities="all")
     for (n, p), (_, q) in zip(plain.named_parameters(), recorded.named_parameters()):
         assert torch.equal(p, q), n
     assert torch.equal(rng_plain, rng_rec), "the recorder drew from the global RNG"
@@ -522,23 +529,13 @@ class InplaceBlock(nn.Module):
         return o
 
 
-class InplaceModel(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList([InplaceBlock(), InplaceBlock()])
-        self.head = nn.Linear(D, D)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for blk in self.blocks:
-            h = blk(h)
-        return self.head(h)
+def inplace_model():
+    return Chain([InplaceBlock(), InplaceBlock()])
 
 
 def test_inplace_op_after_a_site():
     torch.manual_seed(0)
-    model, x = InplaceModel(), _x()
+    model, x = inplace_model(), _x()
     run = lambda: model(x).pow(2).mean()  # noqa: E731
     with gradscope.record(model) as rec:
         run().backward()
@@ -730,23 +727,13 @@ def test_ln_w_over_sigma_for_hand_written_norms(kind):
 
 
 # -- 10. leaving the step inside autocast -------------------------------------------------------------
-class BlocksModel(nn.Module):
-    def __init__(self, depth=2):
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.blocks = nn.ModuleList([MLPBlock() for _ in range(depth)])
-        self.head = nn.Linear(D, D)
-
-    def forward(self, x):
-        h = self.inp(x)
-        for blk in self.blocks:
-            h = blk(h)
-        return self.head(h)
+def blocks_model(depth=2):
+    return Chain([MLPBlock() for _ in range(depth)])
 
 
 def test_param_grad_norm_in_fp32_when_the_step_closes_under_autocast():
     torch.manual_seed(0)
-    model, x = BlocksModel(), _x()
+    model, x = blocks_model(), _x()
     rec = gradscope.Recorder(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         with rec.step(0):
