@@ -6,14 +6,15 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from recorder_ref import assert_rel, norm_gains
 from torch import nn
+from zoo_cases import batch, tiny
 
 import gradscope
-from recorder_ref import assert_rel, norm_gains
-from zoo_cases import batch, tiny
 
 
 def _loss(model, inputs):
@@ -166,3 +167,59 @@ def test_ln_gain_is_right_after_a_no_grad_forward():
         assert set(got) == set(norms)
         for n in norms:
             assert_rel(got[n], expected[n], what=f"{n} micro {micro}")
+
+
+def test_loss_logged_per_micro_batch_gets_micro_rows_and_their_mean():
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    rec = gradscope.Recorder(model, quantities=["loss"])
+    losses = []
+    with rec.step(0):
+        for seed in (0, 1):
+            loss = _loss(model, batch(model.config, seed=seed))
+            loss.backward()
+            rec.log("loss", loss)
+            losses.append(loss.item())
+    got = rec.frame().set_index("micro_step").value
+    assert got[0] == pytest.approx(losses[0]) and got[1] == pytest.approx(losses[1])
+    assert got[-1] == pytest.approx(sum(losses) / 2)
+
+
+def test_sites_filter_restricts_norm_quantities_and_takes_a_string():
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    keep = "decoder.layers.0.self_attn.norm.*"
+    rec = gradscope.Recorder(model, quantities="all", sites=keep)  # one pattern as a string
+    with rec.step(0):
+        _loss(model, batch(model.config)).backward()
+    df = rec.frame()
+    assert set(df[df.quantity == "act_grad_norm"].site) == {"decoder.layers.0.self_attn.norm.in", "decoder.layers.0.self_attn.norm.out"}
+    for q in ("ln_gain", "ln_w_over_sigma"):
+        assert set(df[df.quantity == q].site) == {"decoder.layers.0.self_attn.norm"}, q
+    assert not len(df[df.quantity == "cosine"])  # the stack's outputs were not kept
+
+
+def test_cosine_masks_padding_passed_by_position():
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(1, 64, (2, 10), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 10, dtype=torch.long)
+    mask[1, 6:] = 0
+    tables = []
+    for by_position in (False, True):
+        with gradscope.record(model, quantities=["cosine"], slow_every=1) as rec:
+            out = model(ids, mask, labels=ids) if by_position else model(input_ids=ids, attention_mask=mask, labels=ids)
+            out.loss.backward()
+        model.zero_grad()
+        tables.append(rec.frame().sort_values(["layer", "layer_j"]).value.to_numpy())
+    assert len(tables[0]) == 9 and np.allclose(tables[0], tables[1], rtol=0, atol=1e-7)
+
+
+def test_no_layer_stack_warns_that_cosine_has_no_rows():
+    model = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8))
+    with pytest.warns(UserWarning, match="no cosine rows"):
+        with gradscope.record(model, quantities=["cosine", "act_grad_norm"], slow_every=1):
+            model(torch.randn(2, 3, 8)).sum().backward()

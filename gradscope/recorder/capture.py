@@ -33,7 +33,13 @@ from torch import nn
 
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import norm_gain, norm_kind, w_over_sigma
-from gradscope.recorder.taps import NormTap, Tap, first_tensor, main_input, replace_first
+from gradscope.recorder.taps import (
+    NormTap,
+    Tap,
+    first_tensor,
+    main_input,
+    replace_first,
+)
 
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm
 

@@ -77,8 +77,17 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
             rows += quantity.rows(data)
     for name, extra in device.items():  # what the loop logged itself, wanted or not
         if name not in REGISTRY or REGISTRY[name].logged:
-            rows += extra
+            rows += _per_micro(extra)
     return [k for k, _ in rows], np.array([v for _, v in rows], dtype=np.float64), data
+
+
+def _per_micro(logged: list) -> list:
+    """A scalar logged once per micro-step (``rec.log("loss", loss)`` after each backward):
+    rows with micro_step 0, 1, ... and their mean as the step's row (-1)."""
+    if len(logged) < 2 or any(k[0] != -1 for k, _ in logged):
+        return logged
+    rows = [((m, *k[1:]), v) for m, (k, v) in enumerate(logged)]
+    return rows + [(logged[0][0], float(np.mean([v for _, v in logged])))]
 
 
 def check_calls(rec, step: int, data: StepData, calls: list[int]) -> bool:
@@ -102,6 +111,11 @@ def check_calls(rec, step: int, data: StepData, calls: list[int]) -> bool:
         rec._warned.update(silent)
         warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
                       f"{silent[:8]}{' ...' if len(silent) > 8 else ''} (drop them with sites=...)", stacklevel=4)
+    if "cosine" in rec._wants and not rec.layout.stacks and "cosine" not in rec._warned:
+        rec._warned.add("cosine")
+        warnings.warn("gradscope: no cosine rows: the model has no layer stack (an nn.ModuleList of two or more "
+                      "blocks of one class; x-transformers alternates attention and feed-forward blocks), "
+                      "or sites= left out its outputs", stacklevel=4)
     unfit = sorted(data.unfit - rec._warned)
     if unfit:
         rec._warned.update(unfit)

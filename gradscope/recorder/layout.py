@@ -254,7 +254,7 @@ def _foreign_layout(model: nn.Module) -> Layout:
             f"{type(model).__name__}: found nothing to record. The recorder looked for gradscope Site modules, "
             "for repeated blocks (an nn.ModuleList of >= 2 children of one class holding parameters) and for "
             "normalisation modules (nn.LayerNorm, nn.RMSNorm, or a leaf class named *Norm). Name sites by hand by "
-            "placing gradscope.Site() modules in your forward (x = self.hook_resid(x)), or pass sites=... to pick modules."
+            "placing gradscope.Site() modules in your forward (x = self.hook_resid(x))."
         )
     return Layout(probes, norms, stacks, _fill_groups(model, groups), {}, foreign=True)
 
@@ -277,13 +277,16 @@ def find_layout(model: nn.Module, sites: list[str] | None = None) -> Layout:
         model: a zoo model, or any ``nn.Module``.
         sites: optional shell-style (fnmatch) patterns (``"decoder.layers.*.ffn.sum"``; ``*``
             also matches dots, ``?`` one character); only matching sites are probed.
-            ``ln_gain`` needs both sites of a norm kept, ``cosine`` a stack's outputs.
+            A string is one pattern. ``ln_gain`` needs both sites of a norm kept,
+            ``ln_w_over_sigma`` one of them, ``cosine`` all of a stack's outputs.
 
     Raises:
         ValueError: nothing to record, or a pattern matches no site (the message lists
             some valid names).
     """
     layout = _zoo_layout(model) if is_zoo(model) else _foreign_layout(model)
+    if isinstance(sites, str):
+        sites = [sites]  # one pattern
     if sites is not None:
         names = layout.site_names()
         for pattern in sites:
@@ -291,7 +294,10 @@ def find_layout(model: nn.Module, sites: list[str] | None = None) -> Layout:
                 close = difflib.get_close_matches(pattern, names, n=5, cutoff=0.3)
                 raise ValueError(
                     f"sites: pattern {pattern!r} matches no site; closest: {close}; valid sites include "
-                    f"{names[:4]} ... ({len(names)} in all, list them with gradscope.site_names(model))"
+                    f"{names[:4]} ... ({len(names)} in all; Recorder(model).site_names lists them)"
                 )
         layout.probes = [p for p in layout.probes if any(fnmatch.fnmatchcase(p.name, pat) for pat in sites)]
+        kept = set(layout.site_names())  # norm and stack quantities follow the sites kept
+        layout.norms = [n for n in layout.norms if n.site_in in kept or n.site_out in kept]
+        layout.stacks = [st for st in layout.stacks if all(s in kept for s in st.sites)]
     return layout

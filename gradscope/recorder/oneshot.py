@@ -29,8 +29,10 @@ def record(model: nn.Module, *, step: int = 0, **kwargs) -> Iterator[Recorder]:
 def snapshot(model: nn.Module, inputs: tuple, loss_fn, *, quantities="all", **kwargs) -> pd.DataFrame:
     """All quantities for one forward/backward, e.g. at the start of training.
 
-    Parameter gradients that existed before are restored afterwards, so the call has no
-    effect on a training run.
+    Parameter gradients that existed before are restored afterwards. The forward runs in
+    the model's current mode, as any forward would: in training mode a BatchNorm updates
+    its running statistics and dropout draws from the global RNG (call ``model.eval()``
+    first, or ``torch.random.fork_rng()``, to leave them untouched).
 
     Args:
         model: the model.

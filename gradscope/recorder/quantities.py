@@ -224,7 +224,8 @@ class Cosine(Quantity):
 
     def collect(self, rec, buf):
         for stack, (matrix, written) in rec._capture.cosine_matrices().items():
-            buf.add_matrix(-1, stack, f"{stack}.layers", self.name, matrix)
+            site = stack if rec.layout.foreign else f"{stack}.layers"  # the layer list's module name
+            buf.add_matrix(-1, stack, site, self.name, matrix)
             buf.add_block(f"cosine_written:{stack}", written)
 
     def rows(self, data):

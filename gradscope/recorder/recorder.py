@@ -22,6 +22,7 @@ or compiled. Each quantity is a class in :mod:`gradscope.recorder.quantities`.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Iterator
 
 import numpy as np
@@ -130,6 +131,7 @@ class Recorder:
         self.rank = rank if rank is not None else dist_rank()
         self._generator = torch.Generator().manual_seed(seed)
         self._store = RowStore()
+        self._forward_params = _positional_names(model)
         self._capture = Capture(model, self.layout, max_calls, self._token_masks)
         self._capture.install()
         self._wants: set[str] = set()
@@ -230,7 +232,9 @@ class Recorder:
         """Logs a scalar (``loss``, ``val_loss``, ...) for the open step, or for ``step``.
 
         Tensors stay on the device until the step's single host transfer. Outside an open
-        step, ``step`` must be given and the value is stored at once.
+        step, ``step`` must be given and the value is stored at once. Logged several times
+        in one step (once per micro-batch), a quantity gets rows with micro_step 0, 1, ...
+        and their mean as the step's row (micro_step -1).
         """
         key = (-1, "", None, "", quantity, None, "")
         if self._buffer is not None and step in (None, self._step):
@@ -313,6 +317,9 @@ class Recorder:
         masks = {}
         for name, key in zip(names, ("attention_mask", "decoder_attention_mask")):
             mask = kwargs.get(key)
+            at = self._forward_params.index(key) if key in self._forward_params else len(args)
+            if mask is None and at < len(args):
+                mask = args[at]  # passed by position
             if isinstance(mask, torch.Tensor):
                 masks[name] = mask.bool()
         return masks
@@ -374,3 +381,13 @@ class Recorder:
     def site_names(self) -> list[str]:
         """The sites this recorder probes."""
         return self.layout.site_names()
+
+
+def _positional_names(model: nn.Module) -> list[str]:
+    """Names of ``model.forward``'s positional parameters, in order (so that a mask passed
+    by position is found without inspecting anything during a traced forward)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
