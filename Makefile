@@ -16,6 +16,7 @@ $(VENV)/.installed: pyproject.toml constraints.txt
 	touch $@
 
 test: venv
+	$(BIN)/ruff check .
 	MPLBACKEND=Agg OMP_NUM_THREADS=1 $(BIN)/python -m pytest -n $(JOBS) --timeout 900 tests
 
 figures: venv

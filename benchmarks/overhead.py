@@ -183,7 +183,8 @@ def measure(total_layers: int, args, compiled: bool, methods: list[Method]) -> t
 def machine() -> str:
     """One line describing where this runs."""
     cpu = platform.processor() or platform.machine()
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    cpu = f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
     return f"{dev}; {cpu}; Python {platform.python_version()}; torch {torch.__version__}"
 
 

@@ -47,7 +47,8 @@ class ScanResult:
         for stack, ratio in self.decay.items():
             kind = ("vanishing toward the bottom" if ratio < DECAY_VANISHING else
                     "growing toward the bottom" if ratio > DECAY_EXPLODING else "within 10x top to bottom")
-            lines.append(f"{stack or 'blocks'}: gradient norm bottom/top layer = {ratio:.3g} ({kind}; thresholds {DECAY_VANISHING}, {DECAY_EXPLODING})")
+            lines.append(f"{stack or 'blocks'}: gradient norm bottom/top layer = {ratio:.3g} "
+                         f"({kind}; thresholds {DECAY_VANISHING}, {DECAY_EXPLODING})")
         if self.smallest_gain:
             lines.append(f"smallest LN gain ‖grad in‖/‖grad out‖ = {self.smallest_gain[1]:.3g} at {self.smallest_gain[0]}")
         lines.append("non-finite sites: " + (", ".join(self.nonfinite[:5]) if self.nonfinite else "none"))

@@ -36,7 +36,8 @@ def t5():
                                 vocab_size=60, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
     model = transformers.T5ForConditionalGeneration(cfg)
     g = torch.Generator().manual_seed(0)
-    return model, {"input_ids": torch.randint(1, 60, (2, 9), generator=g), "labels": torch.randint(1, 60, (2, 5), generator=g)}, "encoder.block", 2
+    inputs = {"input_ids": torch.randint(1, 60, (2, 9), generator=g), "labels": torch.randint(1, 60, (2, 5), generator=g)}
+    return model, inputs, "encoder.block", 2
 
 
 MODELS = {"gpt2": gpt2, "bert": bert, "t5": t5}
@@ -77,7 +78,8 @@ def test_foreign_model_values_equal_autograd(name):
     pg = dict(zip(pg.site, pg.value))
     for i in range(depth):
         prefix = f"{first_stack}.{i}"
-        expected_norm = math.sqrt(sum(p.grad.norm().item() ** 2 for n, p in params.items() if n.startswith(prefix + ".") and p.grad is not None))
+        expected_norm = math.sqrt(sum(p.grad.norm().item() ** 2 for n, p in params.items()
+                                      if n.startswith(prefix + ".") and p.grad is not None))
         assert_rel(pg[prefix], expected_norm, what=prefix)
     assert df.variant.unique().tolist() == [type(model).__name__]
 

@@ -238,7 +238,8 @@ MODELS = {
     "t5": (t5, _seq("encoder.block", 2) + _seq("decoder.block", 2), {"T5LayerNorm"}),
     "vit": (vit, _seq("vit.layers", 2), {"LayerNorm"}),
     "wav2vec2": (_wav2vec2(False), _seq("wav2vec2.encoder.layers", 2), {"GroupNorm", "LayerNorm"}),
-    "wav2vec2_stable": (_wav2vec2(True), _seq("wav2vec2.feature_extractor.conv_layers", 2) + _seq("wav2vec2.encoder.layers", 2), {"LayerNorm"}),
+    "wav2vec2_stable": (_wav2vec2(True), _seq("wav2vec2.feature_extractor.conv_layers", 2) + _seq("wav2vec2.encoder.layers", 2),
+                        {"LayerNorm"}),
     "patchtst": (patchtst, _seq("model.encoder.layers", 2), {"BatchNorm1d"}),
     "torch_transformer": (torch_transformer, _seq("encoder.layers", 2) + _seq("decoder.layers", 2), {"LayerNorm"}),
 }

@@ -57,7 +57,8 @@ def test_hf_gpt2_scan_from_config(tmp_path, capsys):
 
 
 def test_scan_runs_with_no_network(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "no_proxy": "*", "https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "no_proxy": "*",
+           "https_proxy": "http://127.0.0.1:9", "http_proxy": "http://127.0.0.1:9"}
     pytest.importorskip("transformers")
     done = subprocess.run([sys.executable, "-m", "gradscope", "scan", "--hf", "bert", "--n-layer", "2", "--d-model", "32",
                            "--n-heads", "2", "--vocab", "50", "--length", "8", "--out", str(tmp_path)],

@@ -9,7 +9,6 @@ variant name. Formulas cite their paper and equation.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from torch import nn

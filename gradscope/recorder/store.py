@@ -145,7 +145,8 @@ class RowStore:
         """Replaces the stored rows with those of :meth:`state_dict`."""
         self._keys = [(*k, "")[:7] if len(k) == 6 else tuple(k) for k in state["keys"]]  # older checkpoints: no role
         self._key_index = {k: i for i, k in enumerate(self._keys)}
-        self._chunks = [(int(step), ids.numpy().astype(np.int32), values.numpy().astype(np.float64)) for step, ids, values in state["chunks"]]
+        self._chunks = [(int(step), ids.numpy().astype(np.int32), values.numpy().astype(np.float64))
+                        for step, ids, values in state["chunks"]]
 
     def frame(self, *, run: str, variant: str, rank: int, reduction: str) -> pd.DataFrame:
         """The canonical tidy table of everything stored."""
