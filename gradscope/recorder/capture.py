@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from gradscope.recorder.layout import Layout
-from gradscope.recorder.norm_stats import norm_gain, norm_kind, w_over_sigma
+from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.taps import (
     NormTap,
     Tap,
@@ -97,7 +97,8 @@ class Capture:
         fused = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k == "ln"}
         by_output = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k not in (None, "ln")}
         self._taps = [p.name not in norm_inputs or p.name in fused for p in self.points]
-        self._marks = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
+        # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
+        self._grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self._stack_pos = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
         self._widths = {st.name: (st.width, len(st.sites)) for st in layout.stacks}
         self.handles: list = []
@@ -243,7 +244,7 @@ class Capture:
         tap = grad and self._taps[i]
         if not recompute:
             self.seq += 1
-            self._mark(slot, self.seq if grad and self._marks[i] else -self.seq)
+            self._mark(slot, self.seq if grad and self._grad_expected[i] else -self.seq)
             if self.want_value:
                 self._put(slot, 1, self._value_norm(t))
             if self.want_cosine and slot % self.K == 0:
@@ -310,19 +311,20 @@ class Capture:
             c, recompute = self._call(counter)
             grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad
                     and torch.is_grad_enabled())
-            gain = None
-            if kind == "fit" and (grad or self.want_wsig) and not recompute:
-                gain = norm_gain(module, kind, x, y)
-                self._put(self.n_taps + j * self.K + c, 2, gain[4])
-            if self.want_wsig and not recompute:
-                value = w_over_sigma(module, x, y)
+            wsig = self.want_wsig and not recompute
+            fit = fit_norm(module, x, y) if kind == "fit" and (grad or wsig) else None  # one fit serves both
+            slot = self.n_taps + j * self.K + c
+            if fit is not None and not recompute:
+                self._put(slot, 2, fit.misfit)
+            if wsig:
+                value = w_over_sigma(module, x, y, fit)
                 if value is not None:
-                    slot = self.n_taps + j * self.K + c
                     self._mark(slot, 1.0)
                     self._put(slot, 1, value)
-            if not grad:
+            gain = norm_gain(module, kind, x, fit) if grad else None
+            if gain is None:
                 return None
-            w, is_ln, eps, dims, _ = gain if gain is not None else norm_gain(module, kind, x, y)
+            w, is_ln, eps, dims = gain
             tapped = NormTap.apply(y, x, self.probe, point * self.K + c, kind, w, is_ln, eps, dims, self._eager())
             return replace_first(output, tapped)
 

@@ -30,6 +30,7 @@ Nothing here runs the norm again; every function reads the call's own tensors.
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -49,9 +50,39 @@ def norm_eps(module: nn.Module, default: float = 1e-6) -> float:
     return default
 
 
-def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor | None:
+class Fit(NamedTuple):
+    """A foreign norm's form and gain, read from one call (see the module docstring)."""
+
+    gain: torch.Tensor  # (d,) fp32 per-feature gain
+    is_ln: torch.Tensor  # 0-d bool: LayerNorm's form fits better than RMSNorm's
+    inv_sigma: torch.Tensor  # 0-d: mean over tokens of 1/σ_t in the better form
+    misfit: torch.Tensor  # 0-d fp32: the fit's mean squared residual over Var(y)
+
+
+def fit_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Fit | None:
+    """Fits y ≈ g·x̂ + b per feature, x̂ LayerNorm's or RMSNorm's normalisation of the last
+    dimension (with the module's eps), by least squares over the call's tokens; None for a
+    single token, where a per-feature gain cannot be told from a bias. ``misfit`` is far
+    from 0 when the output is not of that form (an adaptive norm whose gain depends on the
+    token): the gradient through such a norm cannot be had without re-running it."""
+    d, eps = x.shape[-1], norm_eps(module)
+    xs, ys = x.detach().reshape(-1, d).double(), y.detach().reshape(-1, d).double()
+    if xs.shape[0] < 2:
+        return None
+    inv_ln = torch.rsqrt(xs.var(dim=-1, unbiased=False, keepdim=True) + eps)
+    inv_rms = torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps)
+    g_ln, res_ln = _fit_gain((xs - xs.mean(dim=-1, keepdim=True)) * inv_ln, ys)
+    g_rms, res_rms = _fit_gain(xs * inv_rms, ys)
+    is_ln = res_ln <= res_rms  # the better fit names the form, with no host sync
+    misfit = torch.minimum(res_ln, res_rms) / ys.var().clamp_min(1e-30)
+    return Fit(torch.where(is_ln, g_ln, g_rms).float(), is_ln, torch.where(is_ln, inv_ln.mean(), inv_rms.mean()),
+               misfit.float())
+
+
+def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor, fit: Fit | None = None) -> torch.Tensor | None:
     """mean_{t,f} g_f / σ_t for one call of ``module`` with input ``x`` and output ``y``
-    (0-d float32 tensor), or None for norms with no per-token σ."""
+    (0-d float32 tensor), or None for norms with no per-token σ. ``fit``: this call's
+    :func:`fit_norm`, when the caller has it already (foreign norms)."""
     if isinstance(module, _BATCH_NORMS):
         return None
     x = x.detach()
@@ -70,7 +101,8 @@ def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.T
     if isinstance(module, ScaleNorm):
         norm = torch.linalg.vector_norm(x.float(), dim=-1).clamp_min(module.eps)
         return (module.g.detach().float() / norm).mean()
-    return _fitted(x, y.detach(), norm_eps(module))
+    fit = fit if fit is not None else fit_norm(module, x, y)
+    return None if fit is None else (fit.gain.mean() * fit.inv_sigma).float()
 
 
 def _saved_rstd(y: torch.Tensor) -> torch.Tensor | None:
@@ -92,21 +124,6 @@ def _saved_rstd(y: torch.Tensor) -> torch.Tensor | None:
 
 def _gain(weight: torch.Tensor | None) -> torch.Tensor | float:
     return 1.0 if weight is None else weight.detach().float().mean()
-
-
-def _fitted(x: torch.Tensor, y: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """w/σ of a last-dimension norm y = g·x̂ + b, x̂ LayerNorm's or RMSNorm's, g fitted."""
-    d = x.shape[-1]
-    xs = x.reshape(-1, d).double()
-    ys = y.reshape(-1, d).double()
-    if xs.shape[0] < 2:
-        return None  # one token: a per-feature gain cannot be told from a bias
-    inv_ln = torch.rsqrt(xs.var(dim=-1, unbiased=False, keepdim=True) + eps)
-    inv_rms = torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps)
-    g_ln, res_ln = _fit_gain((xs - xs.mean(dim=-1, keepdim=True)) * inv_ln, ys)
-    g_rms, res_rms = _fit_gain(xs * inv_rms, ys)
-    value_ln, value_rms = g_ln.mean() * inv_ln.mean(), g_rms.mean() * inv_rms.mean()
-    return torch.where(res_ln <= res_rms, value_ln, value_rms).float()  # the better fit, with no host sync
 
 
 def _fit_gain(xhat: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,32 +154,23 @@ def norm_kind(module: nn.Module) -> str | None:
     return "fit"
 
 
-def norm_gain(module: nn.Module, kind: str, x: torch.Tensor, y: torch.Tensor):
-    """(per-feature gain, 0-d bool "LayerNorm-like" or None, eps, normalised dims, misfit)
-    of one call. ``misfit`` (0-d, fitted norms only, else None) is the fit's mean squared
-    residual over Var(y): far from 0 when the output is not g·x̂ + b with one gain per
-    feature (an adaptive norm whose gain depends on the token), and the isolated gradient
-    of such a norm cannot be had without re-running it."""
+def norm_gain(module: nn.Module, kind: str, x: torch.Tensor, fit: Fit | None = None):
+    """(per-feature gain, 0-d bool "LayerNorm-like" or None, eps, normalised dims) of one
+    call, as :func:`isolated_grad_sq` takes them; a fitted norm (``kind="fit"``) needs
+    this call's ``fit`` and gives None without one."""
     if kind in ("ln", "rms"):
         dims = len(module.normalized_shape)
         w = module.weight.detach().float().reshape(-1) if module.weight is not None else None
         eps = module.eps if module.eps is not None else torch.finfo(x.dtype).eps
-        return w, None, eps, dims, None
+        return w, None, eps, dims
     if kind == "scale":
-        return module.g.detach().float(), None, module.eps, 1, None
+        return module.g.detach().float(), None, module.eps, 1
     if kind == "bn":
         return _bn_gain(module, x)
     if kind == "gn":
         w = module.weight.detach().float() if module.weight is not None else torch.ones(module.num_channels, device=x.device)
-        return w, None, module.eps, module.num_groups, None
-    d, eps = x.shape[-1], norm_eps(module)
-    xs, ys = x.detach().reshape(-1, d).double(), y.detach().reshape(-1, d).double()
-    inv_ln = torch.rsqrt(xs.var(dim=-1, unbiased=False, keepdim=True) + eps)
-    g_ln, res_ln = _fit_gain((xs - xs.mean(dim=-1, keepdim=True)) * inv_ln, ys)
-    g_rms, res_rms = _fit_gain(xs * torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps), ys)
-    is_ln = res_ln <= res_rms
-    misfit = torch.minimum(res_ln, res_rms) / ys.var().clamp_min(1e-30)
-    return torch.where(is_ln, g_ln, g_rms).float(), is_ln, eps, 1, misfit.float()
+        return w, None, module.eps, module.num_groups
+    return None if fit is None else (fit.gain, fit.is_ln, norm_eps(module), 1)
 
 
 def _bn_gain(module: nn.Module, x: torch.Tensor):
@@ -173,7 +181,7 @@ def _bn_gain(module: nn.Module, x: torch.Tensor):
     batch_stats = module.training or not module.track_running_stats
     if not batch_stats:
         w = w * torch.rsqrt(module.running_var.detach().float() + module.eps)
-    return w, None, module.eps, (1 if x.shape[1] == C else -1, batch_stats), None
+    return w, None, module.eps, (1 if x.shape[1] == C else -1, batch_stats)
 
 
 def isolated_grad_sq(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps: float, dims: int) -> torch.Tensor:

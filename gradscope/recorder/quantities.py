@@ -57,10 +57,6 @@ class StepData:
         arrived (under reentrant checkpointing the tap is in the recompute)."""
         return (self.order[:, : self.grad_sq.shape[1]] > 0) | (self.grad_sq != 0)
 
-    def got_grad(self, slot: int) -> np.ndarray:
-        """(M,) bool: :attr:`got` of one slot."""
-        return self.got[:, slot]
-
     @cached_property
     def _sites(self) -> list[tuple[Probe, int, int, str]]:
         seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | (self.grad_sq != 0).any(axis=0)
@@ -79,10 +75,6 @@ class StepData:
 def call_name(name: str, call: int) -> str:
     """Site name of the call-th (0-based) call of a module: ``name``, ``name#2``, ..."""
     return name if call == 0 else f"{name}#{call + 1}"
-
-
-def _rss(values) -> float:
-    return math.sqrt(float(np.sum(np.square(values))))
 
 
 class Quantity:
