@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradscope.table import COLUMNS, DTYPES
+from gradscope.table import COLUMNS, DTYPES, ZOO_SUFFIX_ROLES
 
 FORMAT_KEY = b"gradscope.format"
 FORMAT_VERSION = b"1"
@@ -87,11 +87,6 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
 
 # -- LEGACY: tables written before the ``role`` column -----------------------------------------
 _SITE_QUANTITIES = ("act_grad_norm", "act_norm", "nonfinite", "nonfinite_grad")
-_ZOO_SUFFIXES = (  # as gradscope.recorder.layout names zoo sites
-    ("final_norm.in", "final_norm_in"), ("final_norm.out", "final_norm_out"), ("norm.in", "norm_in"),
-    ("norm.out", "norm_out"), ("embed.out", "embed"), ("combine.out", "combine"), (".branch", "branch"),
-    (".sum", "sum"),
-)
 
 
 def legacy_roles(df: pd.DataFrame) -> pd.Series:
@@ -144,7 +139,7 @@ def _legacy_role(site: str, stack: str, layer: int | None, zoo: bool) -> str:
     combine_norm = re.search(r"\.combine\.norms\.\d+\.(in|out)$", name)  # DLCL's per-layer norms
     if combine_norm:
         return f"norm_{combine_norm[1]}"
-    for suffix, role in _ZOO_SUFFIXES:
+    for suffix, role in ZOO_SUFFIX_ROLES:
         if name.endswith(suffix):
             return role
     if not zoo and name.endswith((".in", ".out")):

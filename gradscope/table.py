@@ -78,6 +78,14 @@ ROLES: tuple[str, ...] = (
 )
 """What a site is (the ``role`` column); rows that are not at a site have role ``""``."""
 
+ZOO_SUFFIX_ROLES: tuple[tuple[str, str], ...] = (
+    ("final_norm.in", "final_norm_in"), ("final_norm.out", "final_norm_out"), ("norm.in", "norm_in"),
+    ("norm.out", "norm_out"), ("embed.out", "embed"), ("combine.out", "combine"), (".branch", "branch"),
+    (".sum", "sum"),
+)
+"""Site-name suffix -> role for the zoo's canonical names (SPEC §2): the recorder's layout
+decides roles with it, and ``gradscope.io`` reads old tables that have no ``role`` column."""
+
 QUANTITIES: tuple[str, ...] = (
     "act_grad_norm",
     "param_grad_norm",

@@ -35,7 +35,7 @@ from torch import nn
 
 from gradscope.models.norms import ScaleNorm
 from gradscope.models.sites import Site, SiteNorm
-from gradscope.table import ROLES  # noqa: F401  (re-exported: what a site can be)
+from gradscope.table import ROLES, ZOO_SUFFIX_ROLES  # noqa: F401  (ROLES re-exported: what a site can be)
 
 KNOWN_NORMS = (
     nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, ScaleNorm,
@@ -43,11 +43,6 @@ KNOWN_NORMS = (
 )
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _ZOO_LAYER = re.compile(r"^(?P<stack>[^.]+)\.layers\.(?P<i>\d+)(\.|$)")
-_ZOO_ROLES = (  # site-name suffix -> role, for the zoo's canonical names (SPEC §2)
-    ("final_norm.in", "final_norm_in"), ("final_norm.out", "final_norm_out"), ("norm.in", "norm_in"),
-    ("norm.out", "norm_out"), ("embed.out", "embed"), ("combine.out", "combine"), (".branch", "branch"),
-    (".sum", "sum"),
-)
 
 
 @dataclass(frozen=True)
@@ -137,7 +132,7 @@ def _zoo_role(name: str) -> str:
         return "layer_out"
     if name.startswith("memory."):
         return "memory"
-    return next((role for suffix, role in _ZOO_ROLES if name.endswith(suffix)), "other")
+    return next((role for suffix, role in ZOO_SUFFIX_ROLES if name.endswith(suffix)), "other")
 
 
 def _zoo_layout(model: nn.Module) -> Layout:
