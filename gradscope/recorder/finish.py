@@ -19,9 +19,11 @@ SCALE = "__scale__"
 
 
 def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_taps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Splits the captured snapshots into micro-steps: (grad², order, value), each (M, ·).
+    """Splits the captured snapshots into micro-steps: (grad², order, value), each (M, ·),
+    and each slot's largest norm-fit misfit over the step.
 
-    Each snapshot is one backward's ‖grad‖² per tap followed by the forward buffer. A
+    Each snapshot is one backward's ‖grad‖² per tap followed by the forward buffer (eager
+    calls' order marks come in ``marks``, as they are kept on the host). A
     snapshot with no forward call since the one before (the inner backward of reentrant
     checkpointing) adds its gradients to that micro-step; a last snapshot with neither is
     dropped.
