@@ -12,8 +12,13 @@
 | ``scan_agreement`` | (validation of ``gradscope scan``) | the step-0 scan verdict vs. converged/failed of each convergence run |
 
 ``python -m analyses --preset default --out figures`` runs them all in this order, then the
-validations (``scan_agreement``, which reads ``convergence``'s sweep). Shared
-code (presets, flags, running, saving) is in :mod:`analyses.common`.
+validations (``scan_agreement``, which reads ``convergence``'s sweep).
+
+Each figure module defines one :class:`analyses.runner.Analysis` (``ANALYSIS``): what it
+plans, collects, concludes and draws; :func:`analyses.runner.run` drives them all alike.
+Shared code, by concern: :mod:`analyses.cli` (the flags), :mod:`analyses.runs` (building,
+recording and training a run), :mod:`analyses.outputs` (tables, figures, CLAIMS.md) and
+:mod:`analyses.runner` (the protocol and its driver). Presets: :mod:`gradscope.presets`.
 """
 
 ANALYSES: tuple[str, ...] = (

@@ -13,18 +13,21 @@ import time
 
 from tqdm.auto import tqdm
 
-from analyses import ANALYSES, VALIDATIONS, common
+from analyses import ANALYSES, VALIDATIONS
+from analyses.cli import parse_args
+from analyses.runner import run
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = common.parse_args("python -m analyses", __doc__, argv)
+    args = parse_args("python -m analyses", __doc__, argv)
     times: dict[str, float] = {}
     start = time.perf_counter()
     bar = tqdm(ANALYSES + VALIDATIONS, desc="analyses", unit="analysis", disable=True if args.no_progress else None)
     for name in bar:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
-        importlib.import_module(f"analyses.{name}").run(args)
+        module = importlib.import_module(f"analyses.{name}")
+        run(module.ANALYSIS, args) if name in ANALYSES else module.run(args)
         times[name] = time.perf_counter() - t0
     bar.close()
     total = time.perf_counter() - start

@@ -19,74 +19,59 @@ import sys
 import matplotlib.pyplot as plt
 import pandas as pd
 
-from analyses import common
-from analyses.common import RunSpec
+from analyses.outputs import tag
+from analyses.runner import Analysis, entry_point
+from analyses.runs import Bench, RunSpec
 from gradscope import claims, plots
 
-NAME = "cosine"
 VARIANTS = ("post_ln", "pre_ln", "b2t")
 STACKS = ("encoder", "decoder")
 STEPS = {"ci": 100, "default": 200, "paper": 50_000}
 
 
-Settings = common.Settings
+class Cosine(Analysis):
+    """The three variants at the shallow setting, trained ``STEPS`` steps, then cosine on validation batch 0."""
 
+    name = "cosine"
 
-def settings(preset: str) -> Settings:
-    """The analysis at ``ci``, ``default`` or ``paper``."""
-    p = common.PRESETS[preset]
-    return Settings(preset=p, depth=p.shallow, steps=STEPS[preset])
+    @property
+    def depth(self) -> int:
+        return self.preset.shallow
 
+    def plan(self) -> list[RunSpec]:
+        n, p = self.depth, self.preset
+        return [self.trained(v, p.model(v, n, n), STEPS[p.name]) for v in VARIANTS]
 
-def plan(s: Settings, *, seed: int = 0, device: str = "auto", max_steps: int | None = None) -> list[RunSpec]:
-    n, p = s.depth, s.preset
-    return [common.cap_steps(RunSpec(v, p.model(v, n, n), p.train(s.steps, seed=seed, device=device)), max_steps)
-            for v in VARIANTS]
-
-
-def verdicts(df: pd.DataFrame, s: Settings) -> list[claims.Verdict]:
-    out = []
-    for stack in STACKS:
-        for rule in (claims.takase_fig5_pre_ln_higher, claims.takase_fig5_b2t_keeps_post_ln):
-            out.append(common.tag(rule(df, stack=stack, preset=s.preset.name), f"{s.depth}L-{s.depth}L trained"))
-    return out
-
-
-def figure(df: pd.DataFrame, s: Settings, specs: list[RunSpec], found: list[claims.Verdict]) -> plt.Figure:
-    fig, axes = plt.subplots(2, 4, figsize=(22, 10), layout="constrained")
-    for row, stack in enumerate(STACKS):
-        for col, variant in enumerate(VARIANTS):
-            plots.cosine_heatmap(df, variant=variant, stack=stack, ax=axes[row, col],
-                                 title=f"Takase Fig. 5: {variant} {s.depth}L-{s.depth}L · preset {s.preset.name}")
-    for ax, quantity in zip(axes[:, 3], ("loss", "val_loss")):
-        plots.loss_curves(df, quantity=quantity, hue_order=VARIANTS, ax=ax,
-                          title=f"training of the three models · preset {s.preset.name}")
-    common.annotate(fig, "Cosine similarities among layer outputs after training (eval mode, validation batch 0)",
-                    [s.preset.describe(), common.recipe_text(specs[0].train),
-                     "same hyper-parameters for every variant; xavier init"], found)
-    return fig
-
-
-def run(args) -> list[claims.Verdict]:
-    s = settings(args.preset)
-    specs = plan(s, seed=args.seed, device=args.device, max_steps=args.max_steps)
-
-    def collect(spec, ctx):
+    def collect(self, spec: RunSpec, bench: Bench) -> list[pd.DataFrame]:
         """The training table, and cosine on validation batch 0 after training (eval mode)."""
-        model, table, _ = ctx.train(spec)
-        return [table, common.measure(model, ctx.task, run=spec.run, quantities=("cosine",), step=spec.train.steps,
-                                      split="valid", index=0, batch_size=ctx.batch_size, device=ctx.device,
-                                      seed=ctx.seed, eval_mode=True)]
+        trained = bench.train(spec)
+        return [trained.table, bench.measure(trained.model, run=spec.run, quantities=("cosine",), step=spec.train.steps,
+                                             split="valid", index=0, eval_mode=True)]
 
-    def conclude(df):
-        found = verdicts(df, s)
-        return figure(df, s, specs, found), found
+    def conclude(self, df: pd.DataFrame) -> list[claims.Verdict]:
+        out = []
+        for stack in STACKS:
+            for rule in (claims.takase_fig5_pre_ln_higher, claims.takase_fig5_b2t_keeps_post_ln):
+                out.append(tag(rule(df, stack=stack, preset=self.preset.name), f"{self.depth}L-{self.depth}L trained"))
+        return out
 
-    return common.run_analysis(args, NAME, s.preset, specs, collect=collect, conclude=conclude)
+    def draw(self, df: pd.DataFrame, verdicts) -> plt.Figure:
+        fig, axes = plt.subplots(2, 4, figsize=(22, 10), layout="constrained")
+        n, preset = self.depth, self.preset.name
+        for row, stack in enumerate(STACKS):
+            for col, variant in enumerate(VARIANTS):
+                plots.cosine_heatmap(df, variant=variant, stack=stack, ax=axes[row, col],
+                                     title=f"Takase Fig. 5: {variant} {n}L-{n}L · preset {preset}")
+        for ax, quantity in zip(axes[:, 3], ("loss", "val_loss")):
+            plots.loss_curves(df, quantity=quantity, hue_order=VARIANTS, ax=ax,
+                              title=f"training of the three models · preset {preset}")
+        return self.annotate(fig, "Cosine similarities among layer outputs after training (eval mode, validation batch 0)",
+                             [self.plan()[0].train.describe(), "same hyper-parameters for every variant; xavier init"],
+                             verdicts)
 
 
-main = common.entry_point(NAME, __doc__, run)
-
+ANALYSIS = Cosine
+main = entry_point(__doc__, Cosine)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -16,121 +16,80 @@ gradient falls with encoder depth).
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
 
 import matplotlib.pyplot as plt
 import pandas as pd
-from matplotlib.axes import Axes
 
-from analyses import common
-from analyses.common import RunSpec
+from analyses.outputs import tag
+from analyses.runner import Analysis, entry_point
+from analyses.runs import RunSpec
 from gradscope import claims, plots
-from gradscope.plots import select as S
 
-NAME = "grad_norms"
 VARIANTS = ("post_ln", "pre_ln", "b2t")
-QUANTITIES = ("act_grad_norm",)
-
-
-@dataclass(frozen=True)
-class Settings:
-    """What this analysis runs at one preset.
-
-    Attributes:
-        preset: shared model size and data.
-        depths: the (deep, shallow) settings, layers per stack.
-        embed_depths: Post-LN encoder depths for Wang §5 (decoder depth ``shallow``).
-    """
-
-    preset: common.Preset
-    depths: tuple[int, int]
-    embed_depths: tuple[int, ...]
-
-
-def settings(preset: str) -> Settings:
-    """The analysis at ``ci``, ``default`` or ``paper``."""
-    p = common.PRESETS[preset]
-    embed = {"ci": (2, 4, 6, 8), "default": (6, 12, 18, 24, 30), "paper": (6, 12, 18, 24, 30)}[preset]
-    return Settings(preset=p, depths=(p.deep, p.shallow), embed_depths=embed)
+EMBED_DEPTHS = {"ci": (2, 4, 6, 8), "default": (6, 12, 18, 24, 30), "paper": (6, 12, 18, 24, 30)}
 
 
 def setting_name(n: int) -> str:
     return f"{n}L-{n}L"
 
 
-def plan(s: Settings) -> list[RunSpec]:
-    """Init-only runs: three variants at both settings, then the Post-LN encoder sweep."""
-    p = s.preset
-    specs = [RunSpec(f"{v} {setting_name(n)}", p.model(v, n, n)) for n in s.depths for v in VARIANTS]
-    specs += [RunSpec(f"post_ln {d}L-{p.shallow}L", p.model("post_ln", d, p.shallow)) for d in s.embed_depths]
-    unique = {spec.run: spec for spec in specs}  # post_ln 6L-6L may appear twice
-    return list(unique.values())
+class GradNorms(Analysis):
+    """Takase Fig. 3 at the deep and shallow settings; Wang §5 over Post-LN encoder depths
+    (``embed_depths``, decoder depth ``preset.shallow``)."""
+
+    name = "grad_norms"
+    quantities = ("act_grad_norm",)
+
+    @property
+    def depths(self) -> tuple[int, int]:
+        return self.preset.deep, self.preset.shallow
+
+    @property
+    def embed_depths(self) -> tuple[int, ...]:
+        return EMBED_DEPTHS[self.preset.name]
+
+    def embed_runs(self) -> list[str]:
+        return [f"post_ln {d}L-{self.preset.shallow}L" for d in self.embed_depths]
+
+    def plan(self) -> list[RunSpec]:
+        """Init-only runs: three variants at both settings, then the Post-LN encoder sweep."""
+        p = self.preset
+        specs = [RunSpec(f"{v} {setting_name(n)}", p.model(v, n, n)) for n in self.depths for v in VARIANTS]
+        specs += [RunSpec(f"post_ln {d}L-{p.shallow}L", p.model("post_ln", d, p.shallow)) for d in self.embed_depths]
+        unique = {spec.run: spec for spec in specs}  # post_ln 6L-6L may appear twice
+        return list(unique.values())
+
+    def setting(self, df: pd.DataFrame, n: int) -> pd.DataFrame:
+        return df.loc[df["run"].isin([f"{v} {setting_name(n)}" for v in VARIANTS])]
+
+    def conclude(self, df: pd.DataFrame) -> list[claims.Verdict]:
+        name, out = self.preset.name, []
+        for n in self.depths:
+            for rule in (claims.takase_fig3_post_ln_vanishing, claims.takase_fig3_pre_ln_decay,
+                         claims.takase_fig3_b2t_mitigates):
+                out.append(tag(rule(self.setting(df, n), preset=name), setting_name(n)))
+        sweep = df.loc[df["run"].isin(self.embed_runs())]
+        out.append(tag(claims.wang_embed_grad_vanishes(sweep, preset=name), f"decoder {self.preset.shallow}L"))
+        return out
+
+    def draw(self, df: pd.DataFrame, verdicts) -> plt.Figure:
+        fig, axes = plt.subplots(2, 3, figsize=(17, 10), layout="constrained")
+        preset = self.preset.name
+        for row, n in enumerate(self.depths):
+            for col, stack in enumerate(("encoder", "decoder")):
+                plots.layer_norms(self.setting(df, n), stack=stack, hue_order=VARIANTS, ax=axes[row, col],
+                                  title=f"Takase Fig. 3: {stack}, {setting_name(n)} · preset {preset}")
+        runs = self.embed_runs()
+        plots.embed_grad_vs_depth(df, runs, ax=axes[0, 2],
+                                  title=f"Wang §5: post_ln, decoder {self.preset.shallow}L · preset {preset}")
+        plots.layer_norms(df.loc[df["run"].isin(runs)], stack="encoder", include_embed=True, hue="run",
+                          hue_order=runs, ax=axes[1, 2], title=f"post_ln encoder profiles by depth · preset {preset}")
+        return self.annotate(fig, "Gradient norms of layer outputs at the start of training (step 0, one batch, "
+                                  "before any update)", ["dropout active (training mode), seeded; xavier init"], verdicts)
 
 
-def embed_runs(s: Settings) -> list[str]:
-    return [f"post_ln {d}L-{s.preset.shallow}L" for d in s.embed_depths]
-
-
-def embed_vs_depth(df: pd.DataFrame, runs: list[str], *, ax: Axes, title: str) -> Axes:
-    """g(encoder.embed.out) against encoder depth, one point per run (Wang 2019 §5)."""
-    data = S.rows(df, quantity="act_grad_norm", stack="encoder", role="embed")
-    data = S.one_per_point(data.loc[data["run"].isin(runs)])
-    depth = {r: S.layer_depth(S.rows(df, run=r), "encoder") for r in runs}
-    data = data.assign(depth=data["run"].map(depth)).sort_values("depth")
-    ax.plot(data["depth"].to_numpy(float), data["value"].to_numpy(float), marker="o", label="post_ln")
-    ax.set_yscale("log")
-    ax.set_xlabel("encoder layers N")
-    ax.set_ylabel("‖∂L/∂h‖₂ at encoder.embed.out (loss: mean over tokens, nats)")
-    ax.legend(fontsize="small")
-    ax.set_title(f"{title}\nencoder.embed.out · step 0", fontsize="medium")
-    return ax
-
-
-def verdicts(df: pd.DataFrame, s: Settings) -> list[claims.Verdict]:
-    name, out = s.preset.name, []
-    for n in s.depths:
-        sub = df.loc[df["run"].isin([f"{v} {setting_name(n)}" for v in VARIANTS])]
-        for rule in (claims.takase_fig3_post_ln_vanishing, claims.takase_fig3_pre_ln_decay,
-                     claims.takase_fig3_b2t_mitigates):
-            out.append(common.tag(rule(sub, preset=name), setting_name(n)))
-    sweep = df.loc[df["run"].isin(embed_runs(s))]
-    out.append(common.tag(claims.wang_embed_grad_vanishes(sweep, preset=name),
-                          f"decoder {s.preset.shallow}L"))
-    return out
-
-
-def figure(df: pd.DataFrame, s: Settings, found: list[claims.Verdict]) -> plt.Figure:
-    fig, axes = plt.subplots(2, 3, figsize=(17, 10), layout="constrained")
-    for row, n in enumerate(s.depths):
-        sub = df.loc[df["run"].isin([f"{v} {setting_name(n)}" for v in VARIANTS])]
-        for col, stack in enumerate(("encoder", "decoder")):
-            plots.layer_norms(sub, stack=stack, hue_order=VARIANTS, ax=axes[row, col],
-                              title=f"Takase Fig. 3: {stack}, {setting_name(n)} · preset {s.preset.name}")
-    runs = embed_runs(s)
-    embed_vs_depth(df, runs, ax=axes[0, 2],
-                   title=f"Wang §5: post_ln, decoder {s.preset.shallow}L · preset {s.preset.name}")
-    plots.layer_norms(df.loc[df["run"].isin(runs)], stack="encoder", include_embed=True, hue="run",
-                      hue_order=runs, ax=axes[1, 2],
-                      title=f"post_ln encoder profiles by depth · preset {s.preset.name}")
-    common.annotate(fig, "Gradient norms of layer outputs at the start of training (step 0, one batch, "
-                         "before any update)",
-                    [s.preset.describe(), "dropout active (training mode), seeded; xavier init"], found)
-    return fig
-
-
-def run(args) -> list[claims.Verdict]:
-    s = settings(args.preset)
-
-    def conclude(df):
-        found = verdicts(df, s)
-        return figure(df, s, found), found
-
-    return common.run_analysis(args, NAME, s.preset, plan(s), conclude=conclude,
-                               collect=lambda spec, ctx: [ctx.train(spec, quantities=QUANTITIES, progress=False)[1]])
-
-
-main = common.entry_point(NAME, __doc__, run)
-
+ANALYSIS = GradNorms
+main = entry_point(__doc__, GradNorms)
 
 if __name__ == "__main__":
     sys.exit(main())

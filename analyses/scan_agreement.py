@@ -18,21 +18,23 @@ import sys
 
 import pandas as pd
 
-from analyses import common, convergence
+from analyses.convergence import Convergence
+from analyses.outputs import save_plain_table
+from analyses.runner import entry_point, session
+from analyses.runs import Bench, build
 from gradscope.io import atomic_write
 from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, summarize
 
 NAME = "scan_agreement"
+SCAN_QUANTITIES = ("act_grad_norm", "act_norm", "ln_gain", "nonfinite")
 
 
-def scan_rows(specs, task, *, batch_size: int, seed: int, device) -> pd.DataFrame:
-    """One row per planned run: its step-0 scan numbers and verdict."""
+def scan_rows(specs, bench: Bench) -> pd.DataFrame:
+    """One row per planned run: its step-0 scan numbers and verdict (training batch 1, before any update)."""
     rows = []
     for spec in specs:
-        model = common.build(spec, seed, device)
-        table = common.measure(model, task, run=spec.run, quantities=["act_grad_norm", "act_norm", "ln_gain", "nonfinite"],
-                               step=0, batch_size=batch_size, device=device, seed=seed)
-        result = summarize(table)
+        model = build(spec, bench.seed, bench.device)
+        result = summarize(bench.measure(model, run=spec.run, quantities=SCAN_QUANTITIES, step=0))
         rows.append({"run": spec.run, "variant": spec.model.variant, "init": spec.init, "depth": spec.depth,
                      "encoder_bottom_top": result.decay.get("encoder"), "decoder_bottom_top": result.decay.get("decoder"),
                      "min_ln_gain": result.smallest_gain[1] if result.smallest_gain else None,
@@ -70,9 +72,9 @@ def markdown(table: pd.DataFrame, preset: str) -> str:
 
 
 def run(args) -> pd.DataFrame | None:
-    s = convergence.settings(args.preset)
-    specs = convergence.plan(s, seed=args.seed, device=args.device)
-    with common.session(args, NAME) as device:
+    sweep = Convergence(args.preset, seed=args.seed, device=args.device)
+    specs = sweep.plan()
+    with session(args, NAME) as device:
         if args.dry_run:
             print(f"[dry-run] {NAME}: would scan {len(specs)} runs and compare with {args.out / 'convergence_sweep.parquet'}")
             return None
@@ -80,17 +82,18 @@ def run(args) -> pd.DataFrame | None:
         if not sweep_path.exists():
             raise SystemExit(f"{NAME}: {sweep_path} not found; run `python -m analyses.convergence --preset {args.preset} "
                              f"--out {args.out}` first")
-        task = s.preset.task(args.seed)
-        table = agreement(scan_rows(specs, task, batch_size=s.preset.batch_size, seed=args.seed, device=device),
+        bench = Bench(task=sweep.preset.task(args.seed), device=device, batch_size=sweep.preset.batch_size,
+                      seed=args.seed, progress=False)
+        table = agreement(scan_rows(specs, bench),
                           pd.read_parquet(sweep_path))
         text = markdown(table, args.preset)
         atomic_write(args.out / f"{NAME}.md", lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
-        common.save_plain_table(table, args.out, NAME)
+        save_plain_table(table, args.out, NAME)
         print(text.split("\n\n")[2])
     return table
 
 
-main = common.entry_point(NAME, __doc__, run)
+main = entry_point(__doc__, run, name=NAME)
 
 
 if __name__ == "__main__":

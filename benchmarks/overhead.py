@@ -32,9 +32,10 @@ gradscope with all quantities (cosine and update ratio every 10 steps: ``every=1
 ``slow_every=10``, so one timed step in ten records them), a Recorder attached whose steps
 are not recorded (``every=1000``: the cost of hooks passing through), bare hooks taking one
 norm per site value and gradient with no bookkeeping (the floor for activation norms; eager
-only), a naive loop calling ``p.grad.norm().item()`` per parameter,
+only), a naive loop calling ``p.grad.norm().item()`` per parameter, gradscope's default
+quantities logged live to an offline W&B run (``WandbSink``) next to
 ``wandb.watch(model, log="gradients", log_freq=1)`` offline, and Lightning's ``grad_norm``
-(the last two only when installed: ``pip install -e ".[bench]"``). Under compile the peers'
+(the last three only when installed: ``pip install -e ".[bench]"``). Under compile the peers'
 model is compiled and their norm loops stay eager, as in a user's loop.
 """
 

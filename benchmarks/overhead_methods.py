@@ -197,6 +197,31 @@ def wandb_watch(model, opt, batch, compiled: bool) -> Runner:
     return Runner(step, finish=run_.finish)
 
 
+def gradscope_wandb(model, opt, batch, compiled: bool) -> Runner:
+    """gradscope (default quantities) streaming every recorded step to an offline W&B run
+    through :class:`gradscope.sinks.WandbSink`: one ``wandb.log`` per step, as ``wandb_watch``."""
+    import wandb
+
+    from gradscope.sinks import WandbSink
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    run_ = wandb.init(mode="offline", dir=tempfile.mkdtemp(prefix="gradscope-wandb-"), project="gradscope-bench")
+    rec = gradscope.Recorder(model, quantities="default", optimizer=opt, slow_every=10, sinks=[WandbSink(run=run_)])
+    run = maybe_compile(model, compiled)
+
+    def step(i):
+        with rec.step(i):
+            loss = loss_of(run, batch)
+            loss.backward()
+            rec.log("loss", loss)
+        _finish_opt(opt)
+
+    def finish():
+        rec.close()
+        run_.finish()
+    return Runner(step, recorder=rec, finish=finish)
+
+
 def lightning_grad_norm(model, opt, batch, compiled: bool) -> Runner:
     """Lightning's ``grad_norm`` utility, read to floats as ``self.log_dict`` would."""
     from lightning.pytorch.utilities import grad_norm
@@ -216,6 +241,7 @@ METHODS: list[Method] = [
     Method("gradscope attached, step not recorded (every=1000)", with_recorder("default", every=1000)),
     Method("bare hooks: one vector_norm per site value and gradient", bare_site_norms),
     Method("naive p.grad.norm().item() loop", naive_item),
+    Method("gradscope default -> W&B sink (WandbSink) offline", gradscope_wandb, records=True),
     Method("wandb.watch(log='gradients', log_freq=1) offline", wandb_watch),
     Method("lightning grad_norm", lightning_grad_norm),
 ]

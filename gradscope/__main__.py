@@ -1,4 +1,4 @@
-"""``python -m gradscope scan ...``: see ``python -m gradscope scan --help``."""
+"""``python -m gradscope scan ...`` / ``report ...``: see ``python -m gradscope <command> --help``."""
 
 from __future__ import annotations
 
@@ -6,12 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from gradscope.config import ARCHS
-
 
 def scan_parser(sub) -> argparse.ArgumentParser:
+    from gradscope import presets
     from gradscope.models import INITS, VARIANTS
+    from gradscope.models.variants import ARCHS
     from gradscope.scan import HF_ARCHS
+
+    size = presets.small()  # the zoo model's size unless the flags say otherwise
 
     p = sub.add_parser("scan", help="one forward/backward on a synthetic batch: per-layer gradient table, figure, verdict",
                        description="One forward/backward on a synthetic batch of a zoo model or a HuggingFace architecture "
@@ -20,14 +22,14 @@ def scan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--variant", default="post_ln", choices=sorted(VARIANTS), help="zoo wiring (default: post_ln)")
     p.add_argument("--arch", default="encoder_decoder", choices=ARCHS, help="zoo model shape (default: encoder_decoder)")
     p.add_argument("--init", default="xavier", choices=sorted(INITS), help="zoo weight init (default: xavier)")
-    p.add_argument("--n-enc", type=int, default=6, help="zoo encoder layers (default: 6)")
-    p.add_argument("--n-dec", type=int, default=6, help="zoo decoder layers (default: 6)")
+    p.add_argument("--n-enc", type=int, default=size.n_enc, help="zoo encoder layers (default: %(default)s)")
+    p.add_argument("--n-dec", type=int, default=size.n_dec, help="zoo decoder layers (default: %(default)s)")
     p.add_argument("--hf", choices=HF_ARCHS, default=None, help="scan a HuggingFace architecture instead of a zoo model")
     p.add_argument("--n-layer", type=int, default=12, help="--hf: number of layers (default: 12)")
-    p.add_argument("--d-model", type=int, default=128, help="width (default: 128)")
-    p.add_argument("--n-heads", type=int, default=4, help="attention heads (default: 4)")
-    p.add_argument("--d-ff", type=int, default=512, help="zoo feed-forward width (default: 512)")
-    p.add_argument("--vocab", type=int, default=1000, help="vocabulary size (default: 1000)")
+    p.add_argument("--d-model", type=int, default=size.d_model, help="width (default: %(default)s)")
+    p.add_argument("--n-heads", type=int, default=size.n_heads, help="attention heads (default: %(default)s)")
+    p.add_argument("--d-ff", type=int, default=size.d_ff, help="zoo feed-forward width (default: %(default)s)")
+    p.add_argument("--vocab", type=int, default=size.vocab, help="vocabulary size (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8, help="sentences in the synthetic batch (default: 8)")
     p.add_argument("--length", type=int, default=32, help="tokens per sentence (default: 32)")
     p.add_argument("--seed", type=int, default=0, help="seed for weights and batch (default: 0)")
@@ -43,6 +45,7 @@ def print_scan(result, out: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     from gradscope.io import atomic_write, save_frame
+    from gradscope.plots import scan_layers
 
     print(result.layers.to_string(index=False, float_format=lambda v: f"{v:.4g}"))
     print()
@@ -51,13 +54,7 @@ def print_scan(result, out: Path, title: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     save_frame(result.table, out / "scan.parquet")
     fig, ax = plt.subplots(figsize=(6, 4))
-    for stack, rows in result.layers.groupby("stack", sort=False):
-        ax.plot(rows.layer, rows.act_grad_norm, marker="o", label=stack or "blocks")
-    ax.set_yscale("log")
-    ax.set_xlabel("layer (1 = bottom)")
-    ax.set_ylabel("‖∂L/∂y_l‖₂ at the layer output (loss: mean over tokens, nats)")
-    ax.set_title(f"gradscope scan: {title}\none step on a synthetic batch, before training", fontsize=9)
-    ax.legend()
+    scan_layers(result.layers, ax=ax, title=title)
     fig.tight_layout()
     atomic_write(out / "scan.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120))
     plt.close(fig)
@@ -68,7 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gradscope", description="gradscope command line")
     sub = parser.add_subparsers(dest="command", required=True)
     scan_parser(sub)
+    from gradscope import report  # -- issue 12: python -m gradscope report RUN_DIR --out DIR --
+
+    report.add_parser(sub)
     args = parser.parse_args(argv)
+    if args.command == "report":
+        return report.run(args)
     for name in ("n_enc", "n_dec", "n_layer", "d_model", "n_heads", "vocab", "batch_size", "length"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")

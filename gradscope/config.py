@@ -1,11 +1,15 @@
-"""Model configuration: one frozen keyword-only dataclass, validated on construction."""
+"""Model configuration: one frozen keyword-only dataclass, validated on construction.
+
+The registries it is checked against (``gradscope.models.variants``, ``gradscope.models.inits``)
+are imported when a config is made; they import nothing from here but type hints, so the
+two never import each other.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
 
-ARCHS: tuple[str, ...] = ("encoder_decoder", "decoder", "encoder")
 DLCL_WEIGHT_INITS: tuple[str, ...] = ("avg", "one")
 DS_INIT_FORMS: tuple[str, ...] = ("paper", "code")
 
@@ -48,6 +52,9 @@ class ModelConfig:
             scaled by 1/l (Zhang 2019 Eq. 11); ``"code"``: variance scaled by 1/√l, bound
             γα/l^(1/4), as the authors' released code does.
         ds_init_alpha: ``ds_init`` only. The α of DS-Init (default 1.0).
+        qk_norm: a LayerNorm over each head's queries and keys before the attention
+            logits (QK-LayerNorm; Dehghani et al. 2023, Wortsman et al. 2023). Any variant
+            may take it (default False).
     """
 
     arch: str = "encoder_decoder"
@@ -70,10 +77,11 @@ class ModelConfig:
     b2t_rescale: bool = False
     ds_init_form: str | None = None
     ds_init_alpha: float | None = None
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         from gradscope.models.inits import INITS
-        from gradscope.models.variants import VARIANTS
+        from gradscope.models.variants import ARCHS, VARIANTS
 
         _check_choice("arch", self.arch, ARCHS)
         _check_choice("variant", self.variant, tuple(VARIANTS))

@@ -50,7 +50,7 @@ import pandas as pd
 import torch
 import torch.distributed as dist
 
-from gradscope.table import COLUMNS, DTYPES, empty_frame
+from gradscope.table import concat, empty_frame
 
 PER_RANK_QUANTITIES: tuple[str, ...] = ("act_grad_norm", "act_norm", "loss")
 """Quantities each rank measures on its own part of the batch; combined by :func:`global_rows`."""
@@ -132,8 +132,7 @@ def gather_frame(source: Any, *, dst: int = 0, group: Any = None) -> pd.DataFram
     dist.gather_object(df, frames, dst=dst, group=group)
     if not is_dst:
         return None
-    frames = [f for f in frames if f is not None and len(f)]
-    return pd.concat(frames, ignore_index=True).astype(DTYPES) if frames else empty_frame()
+    return concat(f for f in frames if f is not None)
 
 
 # -- rank -1: all ranks together -------------------------------------------------------------
@@ -197,8 +196,7 @@ def global_rows(df: pd.DataFrame, world_size: int | None = None, reduction: str 
         value = np.where(stats["quantity"] == "loss", np.where(mean, stats["total"] / W, stats["total"]), value)
         value = np.where(stats["nan"], np.nan, value)  # pandas sums skip NaN: a NaN on any rank stays NaN
         parts.append(stats[_POINT].assign(value=value, rank=-1))
-    out = pd.concat([p[list(COLUMNS)] for p in parts if len(p)], ignore_index=True)
-    return out.astype(DTYPES)
+    return concat(parts)
 
 
 def global_act_grad_norms(df: pd.DataFrame, world_size: int | None = None, reduction: str | None = None) -> pd.DataFrame:

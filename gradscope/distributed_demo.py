@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> pd.DataFrame | None:
             raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the world size {W}")
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         torch.manual_seed(args.seed)  # same initial weights on every rank
-        config = gradscope.presets.PRESETS[args.preset](variant=args.variant, arch=args.arch, dropout=0.0)
+        config = gradscope.presets.SIZES[args.preset](variant=args.variant, arch=args.arch, dropout=0.0)
         model = gradscope.build_model(config).to(device)
         if args.parallel == "ddp":
             from torch.nn.parallel import DistributedDataParallel

@@ -11,7 +11,7 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from gradscope.table import COLUMNS, DTYPES, ZOO_SUFFIX_ROLES
+from gradscope.table import COLUMNS, DTYPES, ZOO_SUFFIX_ROLES, validate
 
 FORMAT_KEY = b"gradscope.format"
 FORMAT_VERSION = b"1"
@@ -49,36 +49,39 @@ def save_frame(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     Raises:
         ValueError: ``df`` lacks the canonical columns.
     """
-    missing = [c for c in COLUMNS if c not in df.columns]
-    if missing:
-        raise ValueError(f"save: not a gradscope table, missing columns {missing}")
+    validate(df.columns, source="save")
     table = pa.Table.from_pandas(df[list(COLUMNS)].astype(DTYPES), preserve_index=False)
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), FORMAT_KEY: FORMAT_VERSION})
     return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
 def load(path: str | os.PathLike) -> pd.DataFrame:
-    """Reads a table written by ``Recorder.save`` / ``save_frame``.
+    """Reads a table written by ``Recorder.save`` / ``save_frame``, or a folder of them.
 
+    A folder is a run streamed with ``Recorder(log_dir=...)`` or a folder of such runs (and
+    saved tables): every parquet file below it, in one frame (the ``run`` column tells
+    runs apart); see :func:`gradscope.sinks.parquet.read` for reading part of a large run.
     A table written before the ``role`` column existed gets it from :func:`legacy_roles`.
 
     Raises:
-        FileNotFoundError: no such file.
+        FileNotFoundError: no such file, or no parquet file in the folder.
         ValueError: the file is not readable parquet (truncated, corrupt) or not a gradscope
             table; the message names the file and what is wrong.
     """
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"gradscope.load: no such file: {path}")
+    if path.is_dir():  # -- a run folder or a folder of runs (issue 12): gradscope.sinks.parquet --
+        from gradscope.sinks.parquet import read
+
+        return read(path)
     try:
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several types for corrupt files
         raise ValueError(f"gradscope.load: {path} is not a readable parquet file ({type(err).__name__}: {err})") from err
     if (table.schema.metadata or {}).get(FORMAT_KEY) is None:
         raise ValueError(f"gradscope.load: {path} is parquet but not a gradscope table (no {FORMAT_KEY.decode()} tag)")
-    missing = [c for c in COLUMNS if c not in table.column_names and c != "role"]
-    if missing:
-        raise ValueError(f"gradscope.load: {path} lacks columns {missing}")
+    validate(table.column_names, source=f"gradscope.load: {path}", optional=("role",))  # role: see legacy_roles
     df = table.to_pandas()
     if "role" not in df.columns:  # written before the role column existed
         df["role"] = legacy_roles(df)

@@ -19,6 +19,8 @@ import gradscope
 
 DECAY_VANISHING = 0.1  # bottom/top gradient ratio below this: vanishing toward the bottom
 DECAY_EXPLODING = 10.0  # above this: growing toward the bottom
+ATTN_LOGIT_LARGE = 50.0  # a max attention logit above this: softmax is one-hot to e^-50 (Wortsman 2023 §3.1)
+GRAD_RMS_OVER_EPS_LOW = 10.0  # gradient RMS below 10·ε: Adam's update shrinks (Wortsman 2023 §3.4)
 HF_ARCHS = ("gpt2", "bert", "t5", "llama")
 
 
@@ -33,6 +35,8 @@ class ScanResult:
         decay: stack → act_grad_norm(first layer output) / act_grad_norm(last layer output).
         smallest_gain: (norm name, value) of the smallest ln_gain, or None.
         nonfinite: sites where a NaN/Inf appeared, in order (forward first).
+        attn_logit_max: (attention module, value) of the largest attention logit, or None.
+        low_grad_rms: parameter groups whose gradient RMS is below ``GRAD_RMS_OVER_EPS_LOW``·ε.
     """
 
     table: pd.DataFrame
@@ -40,6 +44,8 @@ class ScanResult:
     decay: dict[str, float]
     smallest_gain: tuple[str, float] | None
     nonfinite: list[str]
+    attn_logit_max: tuple[str, float] | None = None
+    low_grad_rms: tuple[str, ...] = ()
 
     def verdicts(self) -> list[str]:
         """One line per finding."""
@@ -52,12 +58,21 @@ class ScanResult:
         if self.smallest_gain:
             lines.append(f"smallest LN gain ‖grad in‖/‖grad out‖ = {self.smallest_gain[1]:.3g} at {self.smallest_gain[0]}")
         lines.append("non-finite sites: " + (", ".join(self.nonfinite[:5]) if self.nonfinite else "none"))
+        if self.attn_logit_max:
+            site, value = self.attn_logit_max
+            warn = f" — WARNING: above {ATTN_LOGIT_LARGE:g}, attention is near one-hot (logit growth)" \
+                if value > ATTN_LOGIT_LARGE else ""
+            lines.append(f"largest attention logit = {value:.3g} at {site}{warn}")
+        if self.low_grad_rms:
+            lines.append(f"WARNING: gradient RMS below {GRAD_RMS_OVER_EPS_LOW:g}·Adam's ε in {len(self.low_grad_rms)} "
+                         f"parameter group(s): {', '.join(self.low_grad_rms[:4])} (updates shrink toward 0)")
         return lines
 
     @property
     def healthy(self) -> bool:
         """No non-finite value and every stack's decay within the thresholds."""
-        return not self.nonfinite and all(DECAY_VANISHING <= r <= DECAY_EXPLODING for r in self.decay.values())
+        return (not self.nonfinite and all(DECAY_VANISHING <= r <= DECAY_EXPLODING for r in self.decay.values())
+                and not (self.attn_logit_max and self.attn_logit_max[1] > ATTN_LOGIT_LARGE) and not self.low_grad_rms)
 
 
 def summarize(table: pd.DataFrame) -> ScanResult:
@@ -79,14 +94,18 @@ def summarize(table: pd.DataFrame) -> ScanResult:
         row = finite_gains.loc[finite_gains.value.idxmin()]
         smallest = (row.site, float(row.value))
     bad = table[table.quantity.isin(["nonfinite", "nonfinite_grad"])].sort_values(["quantity", "value"], ascending=[True, True])
-    return ScanResult(table, layers, decay, smallest, bad.site.tolist())
+    logits = acc[(acc.quantity == "attn_logit_max") & acc.layer_j.isna()]
+    top = None if logits.empty else logits.loc[logits.value.idxmax()]
+    rms = acc[(acc.quantity == "grad_rms_over_eps") & (acc.value < GRAD_RMS_OVER_EPS_LOW)]
+    return ScanResult(table, layers, decay, smallest, bad.site.tolist(),
+                      None if top is None else (top.site, float(top.value)), tuple(rms.site.tolist()))
 
 
 def zoo_model(args) -> tuple[torch.nn.Module, tuple, callable]:
     """A zoo model, a synthetic batch and its loss function from scan arguments, on ``args.device``."""
-    config = gradscope.ModelConfig(arch=args.arch, variant=args.variant, init=args.init, n_enc=args.n_enc, n_dec=args.n_dec,
-                                   d_model=args.d_model, n_heads=args.n_heads, d_ff=args.d_ff, vocab=args.vocab,
-                                   dropout=0.0, max_len=max(args.length + 1, 8))
+    config = gradscope.presets.small(arch=args.arch, variant=args.variant, init=args.init, n_enc=args.n_enc,
+                                     n_dec=args.n_dec, d_model=args.d_model, n_heads=args.n_heads, d_ff=args.d_ff,
+                                     vocab=args.vocab, dropout=0.0, max_len=max(args.length + 1, 8))
     model = gradscope.build_model(config)
     g = torch.Generator().manual_seed(args.seed)
     src = torch.randint(3, args.vocab, (args.batch_size, args.length), generator=g)
@@ -134,10 +153,15 @@ def run_scan(args) -> ScanResult:
     torch.manual_seed(args.seed)
     if args.hf:
         model, kwargs = hf_model(args)
-        with gradscope.record(model, quantities="default", run="scan") as rec:
+        with gradscope.record(model, quantities="signals", run="scan", optimizer=_eps_only(model)) as rec:
             loss = model(**kwargs).loss
             loss.backward()
             rec.log("loss", loss)
         return summarize(rec.frame())
     model, inputs, loss_fn = zoo_model(args)
-    return summarize(gradscope.snapshot(model, inputs, loss_fn, quantities="default", run="scan"))
+    return summarize(gradscope.snapshot(model, inputs, loss_fn, quantities="signals", run="scan", optimizer=_eps_only(model)))
+
+
+def _eps_only(model: torch.nn.Module) -> torch.optim.Optimizer:
+    """An Adam that never steps, so the scan can compare gradient RMS with the usual ε = 1e-8."""
+    return torch.optim.Adam(model.parameters(), eps=1e-8)

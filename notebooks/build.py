@@ -1,4 +1,4 @@
-"""Writes the four notebooks and executes them in place (outputs kept), with nbclient.
+"""Writes the notebooks and executes them in place (outputs kept), with nbclient.
 
     python notebooks/build.py            # default preset, as committed
     GRADSCOPE_PRESET=ci python notebooks/build.py --no-save   # what CI checks
@@ -128,6 +128,47 @@ plots.dlcl_heatmap(df, stack="encoder", step=int(recorded[-1]), ax=axes[1], titl
 fig.tight_layout()'''),
         ("code", '''ax = plots.dlcl_column(df, column=1, stack="encoder", step=[int(s) for s in recorded], title=f"how much later layers read y_1, preset {PRESET}")'''),
         ("code", '''ax = plots.loss_curves(result.history, title=f"dlcl_pre {depth}L-{depth}L, preset {PRESET}")'''),
+    ],
+    "05_long_run": [
+        ("md", "# A long run, streamed to disk\nLeave the recorder on for a whole run: with `log_dir=` every `flush_every` recorded steps become one parquet part file (written atomically), so memory stays flat and a killed run loses at most `flush_every` steps. We train two zoo decoder LMs, read them back as one table, query one without loading it, and draw the run over time."),
+        ("code", SETUP),
+        ("code", '''import tempfile
+from pathlib import Path
+from gradscope.train import TrainConfig, make_task, train
+steps, depth = (150, 3) if PRESET == "ci" else (2000, 6)
+runs = Path(tempfile.mkdtemp(prefix="gradscope_05_"))
+task = make_task("markov_lm", vocab=64, max_len=24)
+for variant in ("post_ln", "pre_ln"):
+    torch.manual_seed(0)
+    model = gradscope.build_model(gradscope.presets.tiny(variant=variant, arch="decoder", n_dec=depth, vocab=64, d_model=64, d_ff=128))
+    rec = gradscope.Recorder(model, quantities=[*gradscope.recorder.DEFAULT_QUANTITIES, "spike"],
+                             log_dir=runs / variant, flush_every=100)   # the run column is the folder name
+    train(model, task, TrainConfig(steps=steps, batch_size=16, lr=3e-3, warmup=50, eval_every=0, device="cpu"),
+          recorder=rec, progress=False, run=variant)
+    rec.close()                                       # flushes the last part
+sorted(p.name for p in (runs / "post_ln").iterdir())[:3]'''),
+        ("md", "## Read back: one run, or a folder of runs as one table"),
+        ("code", '''df = gradscope.load(runs)          # every part below runs/, the run column tells them apart
+df.groupby("run").agg(rows=("value", "size"), first_step=("step", "min"), last_step=("step", "max"))'''),
+        ("md", "## A run larger than memory: query it with pyarrow datasets\nFilters and column choices are applied while scanning, part by part; only the matching rows are read."),
+        ("code", '''import pyarrow.dataset as ds
+from gradscope.sinks import open_dataset
+table = open_dataset(runs).to_table(columns=["run", "step", "layer", "value"],
+                                    filter=(ds.field("quantity") == "act_grad_norm") & (ds.field("role") == "layer_out"))
+table.to_pandas().groupby(["run", "layer"]).value.median().unstack("run")'''),
+        ("md", "## The run over time\nA layer × step heatmap of the layer-output gradient norm (log colour; non-finite origins would be starred), and the bottom, middle and top layer with spikes marked (a value more than 6σ above the mean of the site's previous 128 values, OLMo-core's rule)."),
+        ("code", '''from gradscope.plots.over_time import layer_heatmap, layer_series
+fig, axes = plt.subplots(2, 1, figsize=(10, 8))
+for ax, variant in zip(axes, ("post_ln", "pre_ln")):
+    layer_heatmap(df[df.run == variant], ax=ax, title=f"{variant} {depth}-layer decoder LM, preset {PRESET}")
+fig.tight_layout()'''),
+        ("code", '''ax = layer_series(df[df.run == "post_ln"], title=f"post_ln {depth}-layer decoder LM, preset {PRESET}")'''),
+        ("md", "## The report\n`python -m gradscope report RUN_DIR --out DIR` writes these figures as PNGs and a short summary: vanishing or exploding stacks at the first and last step (the scan's rule), spikes by site, the first non-finite site."),
+        ("code", '''from IPython.display import Markdown
+from gradscope.report import report
+summary = report(runs / "post_ln", runs / "report", progress=False)
+Markdown(summary.read_text().split("### Figures")[0])'''),
+        ("md", "## Live trackers\nThe same rows can go to TensorBoard and Weights & Biases while the run goes on (not run here):\n\n```python\nfrom gradscope.sinks import TensorBoardSink, WandbSink\nwandb.init(project=\"deep-postln\")\nrec = gradscope.Recorder(model, log_dir=\"runs/exp1\", sinks=[TensorBoardSink(\"runs/tb\"), WandbSink()])\n```\n\nSeries are named `act_grad_norm/decoder.layers.3.out`, grouped by quantity."),
     ],
 }
 

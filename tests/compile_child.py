@@ -1,11 +1,13 @@
 """Child process for tests/test_recorder_compile.py: trains one model for 5 Adam steps in
 one mode and writes its parameters, table and Dynamo counters to a directory.
 
-Usage: python compile_child.py {pre_ln,post_ln,llama} {plain,recorded,eager} OUT_DIR
+Usage: python compile_child.py {pre_ln,post_ln,llama} {plain,recorded,eager} OUT_DIR [QUANTITIES]
 
 ``plain``: torch.compile(fullgraph=True), no recorder ever attached. ``recorded``: a
 Recorder(every=2) made first, then the same compile. ``eager``: the Recorder on the
-uncompiled model. Each mode runs in its own process so compile caches stay apart."""
+uncompiled model. Each mode runs in its own process so compile caches stay apart.
+QUANTITIES: the Recorder's preset (default ``default``; ``signals`` adds attention
+logits and entropy, output log Z, sub-layer RMS and gradient RMS over ε)."""
 
 from __future__ import annotations
 
@@ -52,12 +54,12 @@ def build(name: str):
     return model, data, loss_fn
 
 
-def main(name: str, mode: str, out: str) -> None:
+def main(name: str, mode: str, out: str, quantities: str = "default") -> None:
     torch.set_num_threads(1)
     model, data, loss_fn = build(name)
-    rec = gradscope.Recorder(model, every=2) if mode in ("recorded", "eager") else None
-    run = model if mode == "eager" else torch.compile(model, fullgraph=True)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rec = gradscope.Recorder(model, every=2, quantities=quantities, optimizer=opt) if mode in ("recorded", "eager") else None
+    run = model if mode == "eager" else torch.compile(model, fullgraph=True)
     graphs_after_warmup = None
     for step in range(STEPS):
         inputs, target = data(step)
@@ -83,4 +85,4 @@ def main(name: str, mode: str, out: str) -> None:
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:5])

@@ -11,9 +11,12 @@ import pytest
 import torch
 
 import gradscope
-from analyses import ANALYSES, common
+from analyses import ANALYSES
 from analyses import __main__ as run_all
-from gradscope.claims import SWEEP_COLUMNS
+from analyses.cli import make_parser
+from analyses.runs import RunSpec
+from gradscope.presets import PRESETS
+from gradscope.table import SWEEP_COLUMNS
 
 VERDICT_LINE = re.compile(r"^\[(holds|does not hold|not measured)\] .+ \(preset ci\)", re.MULTILINE)
 TRAINED = ("cosine", "dlcl_weights", "residual_shrink", "warmup_free", "convergence")
@@ -23,8 +26,8 @@ def module(name: str):
     return importlib.import_module(f"analyses.{name}")
 
 
-def specs(name: str, preset: str) -> list[common.RunSpec]:
-    return module(name).plan(module(name).settings(preset))
+def specs(name: str, preset: str) -> list[RunSpec]:
+    return module(name).ANALYSIS(preset).plan()
 
 
 @pytest.mark.parametrize("name", ANALYSES)
@@ -53,8 +56,7 @@ def test_analysis_runs_at_ci(name, tmp_path, capsys):
         assert list(sweep.columns) == list(SWEEP_COLUMNS)
         assert len(sweep) == len(specs(name, "ci"))
     if name == "dlcl_weights":  # the figure states preset, step and masking on itself
-        mod, s = module(name), module(name).settings("ci")
-        fig = mod.figure(table, s, mod.plan(s)[0], [])
+        fig = module(name).ANALYSIS("ci").draw(table, [])
         words = " ".join([fig._suptitle.get_text(), *(t.get_text() for t in fig.texts),
                           *(ax.get_title() for ax in fig.axes)])
         assert "preset ci" in words and "|w| < 0.1" in words and "step 100" in words
@@ -74,7 +76,7 @@ def test_bad_flags_exit_2(name, argv, capsys):
 
 
 def test_every_flag_has_help():
-    parser = common.make_parser("x", "")
+    parser = make_parser("x", "")
     assert all(a.help for a in parser._actions)
 
 
@@ -96,7 +98,7 @@ def test_paper_preset_plans_the_papers_sizes(name):
     assert expected <= depths
 
 
-@pytest.mark.parametrize("preset", common.PRESET_NAMES)
+@pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("name", TRAINED)
 def test_same_hyper_parameters_for_every_run(name, preset):
     configs = {dataclasses.astuple(s.train) for s in specs(name, preset)}
@@ -104,7 +106,7 @@ def test_same_hyper_parameters_for_every_run(name, preset):
 
 
 def test_max_steps_caps_training():
-    (spec,) = module("dlcl_weights").plan(module("dlcl_weights").settings("paper"), max_steps=20)
+    (spec,) = module("dlcl_weights").ANALYSIS("paper", max_steps=20).plan()
     assert spec.train.steps == 20 and spec.train.warmup == 2 and spec.train.eval_every == 2
 
 

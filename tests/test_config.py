@@ -61,3 +61,15 @@ def test_presets():
     base = presets.base(variant="b2t", n_enc=18, n_dec=18)
     assert (base.d_model, base.n_heads, base.d_ff, base.n_enc, base.variant) == (512, 8, 2048, 18, "b2t")
     assert presets.tiny().d_model < presets.small().d_model < presets.base().d_model
+
+
+def test_run_presets_share_one_family():
+    ci = presets.get("ci")
+    assert ci.size == presets.tiny(vocab=32, max_len=10)
+    model = ci.model("b2t", 6, 4, init="lipschitz")
+    assert (model.variant, model.n_enc, model.n_dec, model.d_model, model.init) == ("b2t", 6, 4, 32, "lipschitz")
+    config = presets.get("paper").train(50_000)
+    assert (config.warmup, config.betas, config.label_smoothing) == (4000, (0.9, 0.98), 0.1)
+    assert presets.get("default").task().vocab == presets.default().size.vocab
+    with pytest.raises(ValueError, match="preset: unknown 'huge'"):
+        presets.get("huge")

@@ -16,7 +16,7 @@ import pandas as pd  # noqa: E402
 import pytest  # noqa: E402
 
 from gradscope import plots  # noqa: E402
-from gradscope.plots import select  # noqa: E402
+from gradscope.table import select  # noqa: E402
 from gradscope.table import make_frame  # noqa: E402
 
 L = 4

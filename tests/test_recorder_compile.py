@@ -18,24 +18,30 @@ import torch
 HERE = Path(__file__).parent
 
 
-def _run(name: str, mode: str, out: Path) -> dict:
+def _run(name: str, mode: str, out: Path, quantities: str = "default") -> dict:
     out.mkdir()
     env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(HERE / "compile_child.py"), name, mode, str(out)], env=env,
+    proc = subprocess.run([sys.executable, str(HERE / "compile_child.py"), name, mode, str(out), quantities], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads((out / "stats.json").read_text())
 
 
-@pytest.mark.parametrize("name", ["pre_ln", "post_ln", "llama"])
-def test_compiled_recording_is_exact_and_changes_nothing(name, tmp_path):
+SIGNALS = {"attn_logit_max", "attn_entropy", "output_logit_log_z", "sublayer_out_rms", "grad_rms_over_eps"}
+
+
+@pytest.mark.parametrize("name,quantities", [("pre_ln", "signals"), ("post_ln", "default"), ("llama", "signals")])
+def test_compiled_recording_is_exact_and_changes_nothing(name, quantities, tmp_path):
     if name == "llama":
         pytest.importorskip("transformers")
-    recorded = _run(name, "recorded", tmp_path / "recorded")
+    recorded = _run(name, "recorded", tmp_path / "recorded", quantities)
     plain = _run(name, "plain", tmp_path / "plain")
-    _run(name, "eager", tmp_path / "eager")
+    _run(name, "eager", tmp_path / "eager", quantities)
     assert recorded["graph_breaks"] == 0
-    assert recorded["unique_graphs"] == recorded["graphs_after_warmup"] == plain["unique_graphs"] + 1  # one more: the recorded graph
+    # one more graph: the recorded forward; with the signals one more again: the output-logit hook sits on
+    # the root module, whose hooks Dynamo compiles as a frame of their own
+    extra = 1 + (quantities == "signals")
+    assert recorded["unique_graphs"] == recorded["graphs_after_warmup"] == plain["unique_graphs"] + extra
     a = torch.load(tmp_path / "recorded" / "params.pt")
     b = torch.load(tmp_path / "plain" / "params.pt")
     assert a.keys() == b.keys()
@@ -45,9 +51,16 @@ def test_compiled_recording_is_exact_and_changes_nothing(name, tmp_path):
     eager = pd.read_parquet(tmp_path / "eager" / "table.parquet")
     assert sorted(compiled.step.unique()) == [0, 2, 4]
     assert set(compiled.quantity) >= {"act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss"}
+    if quantities == "signals":  # the signals before instability, traced too
+        assert set(compiled.quantity) >= SIGNALS
     key = ["step", "micro_step", "site", "quantity", "layer_j"]
     merged = eager.merge(compiled, on=key, how="outer", suffixes=("_eager", "_compiled"), indicator=True)
     assert (merged["_merge"] == "both").all(), merged[merged["_merge"] != "both"][key].head()
+    # The eager reference trains eagerly, so after step 0 its weights differ from the compiled run's in the last
+    # bits (Inductor is not bitwise eager) and Adam carries that into the update of near-zero gradients; a max
+    # over single attention logits shows it at 1e-3, every norm at 1e-7. So the logit max is compared at step 0,
+    # where the weights are the same.
+    merged = merged[(merged.quantity != "attn_logit_max") | (merged.step == 0)]
     rel = (merged.value_compiled - merged.value_eager).abs() / merged.value_eager.abs().clip(lower=1e-12)
     worst = merged.loc[rel.idxmax()]
     assert rel.max() <= 1e-5, f"{worst.site} {worst.quantity}: {worst.value_compiled} vs {worst.value_eager}"

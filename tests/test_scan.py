@@ -65,3 +65,28 @@ def test_scan_runs_with_no_network(tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "bert.encoder.layer" in done.stdout
+
+
+def test_scan_warns_on_large_attention_logits_and_gradient_rms_near_adams_eps():
+    from gradscope.scan import ATTN_LOGIT_LARGE, GRAD_RMS_OVER_EPS_LOW, summarize
+    from gradscope.table import make_frame
+
+    rows = [dict(stack="decoder", layer=i, site=f"decoder.layers.{i - 1}.out", quantity="act_grad_norm", value=1.0,
+                 role="layer_out") for i in (1, 2)]
+    rows += [dict(stack="decoder", layer=1, site="decoder.layers.0.self_attn.fn.attn", quantity="attn_logit_max",
+                  value=2 * ATTN_LOGIT_LARGE),
+             dict(stack="decoder", layer=2, site="decoder.layers.1.self_attn.fn.attn", quantity="attn_logit_max", value=3.0),
+             dict(stack="decoder", layer=1, site="decoder.layers.0.self_attn.fn.attn", quantity="attn_logit_max",
+                  value=1e9, layer_j=0),  # a head row: the layer's row already holds the max it reports
+             dict(site="decoder.layers.1", stack="decoder", layer=2, quantity="grad_rms_over_eps",
+                  value=GRAD_RMS_OVER_EPS_LOW / 2),
+             dict(site="", quantity="grad_rms_over_eps", value=1e3)]
+    rows = [{"step": 0, **r} for r in rows]
+    result = summarize(make_frame(rows))
+    assert result.attn_logit_max == ("decoder.layers.0.self_attn.fn.attn", 2 * ATTN_LOGIT_LARGE)
+    assert result.low_grad_rms == ("decoder.layers.1",)
+    text = "\n".join(result.verdicts())
+    assert "attention is near one-hot" in text and "decoder.layers.1" in text
+    assert not result.healthy
+    calm = summarize(make_frame([r for r in rows if r["quantity"] == "act_grad_norm"]))
+    assert calm.healthy and calm.attn_logit_max is None and calm.low_grad_rms == ()

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import gradscope
-from gradscope.models.blocks import Context
+from gradscope.models.sublayers import Context
 from zoo_cases import batch, tiny
 
 TOL = dict(rtol=1e-5, atol=1e-5)

@@ -67,7 +67,7 @@ from gradscope.claims.training import (
     takase_fig1_convergence,
 )
 from gradscope.claims.verdict import Verdict, verdict_line, write_claims
-from gradscope.plots.select import SWEEP_COLUMNS
+from gradscope.table import SWEEP_COLUMNS
 
 __all__ = [
     "MAX_FRACTION",

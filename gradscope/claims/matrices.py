@@ -11,8 +11,8 @@ import numpy as np
 import pandas as pd
 
 from gradscope.claims.verdict import Verdict, not_measured, verdict
-from gradscope.plots import select as S
-from gradscope.plots.select import StepSpec
+from gradscope.table import select as S
+from gradscope.table.select import StepSpec
 
 FIG5 = "Takase 2022 Fig. 5"
 WANG5 = "Wang 2019 Fig. 5"

@@ -2,7 +2,7 @@
 Xu (2020) Table 2.
 
 g(site) below is ``act_grad_norm`` at that site, one value per point
-(:func:`gradscope.plots.select.one_per_point`), at the chosen step of the run.
+(:func:`gradscope.table.select.one_per_point`), at the chosen step of the run.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 
 from gradscope.claims.verdict import Verdict, not_measured, verdict
-from gradscope.plots import select as S
-from gradscope.plots.select import StepSpec
+from gradscope.table import select as S
+from gradscope.table.select import StepSpec
 
 FIG3 = "Takase 2022 Fig. 3"
 

@@ -23,7 +23,8 @@ import numpy as np
 import pandas as pd
 
 from gradscope.claims.verdict import Verdict, not_measured, verdict
-from gradscope.plots import select as S
+from gradscope.table import SWEEP_COLUMNS
+from gradscope.table import select as S
 
 MAX_FRACTION = 0.75
 
@@ -100,7 +101,7 @@ def sweep_summary(df: pd.DataFrame, meta: pd.DataFrame, *, quantity: str = "val_
         records.append({"run": out.run, "variant": out.variant, "init": str(row.init),
                         "depth": int(row.depth), "best_val_loss": out.best,
                         "converged": pd.NA if out.converged is None else out.converged})
-    frame = pd.DataFrame.from_records(records, columns=list(S.SWEEP_COLUMNS))
+    frame = pd.DataFrame.from_records(records, columns=list(SWEEP_COLUMNS))
     return frame.astype({"depth": "int64", "best_val_loss": "float64", "converged": "boolean"})
 
 

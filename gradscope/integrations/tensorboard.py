@@ -1,9 +1,13 @@
-"""Writes the tidy table as TensorBoard scalars (readable by TensorBoard and tbparse).
+"""TensorBoard: the live sink, and writing a saved table.
 
-The public way to get a recording into TensorBoard, for a live recorder or a saved table::
+The main path is live: ``gradscope.Recorder(model, sinks=[TensorBoardSink("runs/tb")])``
+writes every row as a scalar as each step is recorded (:mod:`gradscope.sinks.tensorboard`).
+For a table recorded earlier::
 
     from gradscope.integrations.tensorboard import to_tensorboard
-    to_tensorboard(rec.frame(), "runs/tb")               # or gradscope.load("runs/run.parquet")
+    to_tensorboard(gradscope.load("runs/exp1"), "runs/tb")
+
+Both name scalars :func:`gradscope.sinks.series_name` (``act_grad_norm/decoder.layers.3.out``).
 """
 
 from __future__ import annotations
@@ -12,21 +16,21 @@ import os
 
 import pandas as pd
 
+from gradscope.sinks.base import series_name
+from gradscope.sinks.tensorboard import TensorBoardSink, write_frame
+
+__all__ = ["TensorBoardSink", "scalar_tag", "to_tensorboard"]
+
 
 def scalar_tag(row) -> str:
-    """``quantity/site`` (``/total`` for the empty site), with ``@micro<m>`` or ``@rank<r>`` when not the whole step."""
-    tag = f"{row.quantity}/{row.site or 'total'}"
-    if pd.notna(row.layer_j):
-        tag += f"/{int(row.layer)}_{int(row.layer_j)}"
-    if row.micro_step != -1:
-        tag += f"@micro{row.micro_step}"
-    if row.rank:
-        tag += f"@rank{row.rank}"
-    return tag
+    """The tag of a table row (a namedtuple from ``itertuples``): see :func:`gradscope.sinks.series_name`."""
+    opt = lambda v: None if pd.isna(v) else int(v)
+    key = (row.micro_step, row.stack, opt(row.layer), row.site, row.quantity, opt(row.layer_j), row.role)
+    return series_name(key, int(row.rank))
 
 
 def to_tensorboard(df: pd.DataFrame, log_dir: str | os.PathLike) -> int:
-    """Writes every row as a scalar ``tag = scalar_tag(row)`` at ``global_step = step``.
+    """Writes every row of a saved table as a scalar at ``global_step = step``, as the live sink would have.
 
     Args:
         df: a gradscope table (``rec.frame()``, ``gradscope.load(path)``).
@@ -35,12 +39,4 @@ def to_tensorboard(df: pd.DataFrame, log_dir: str | os.PathLike) -> int:
     Returns:
         The number of scalars written.
     """
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(log_dir=str(log_dir))
-    try:
-        for row in df.itertuples(index=False):
-            writer.add_scalar(scalar_tag(row), float(row.value), global_step=int(row.step))
-    finally:
-        writer.close()
-    return len(df)
+    return write_frame(df, log_dir)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from gradscope.config import ModelConfig
-from gradscope.models.blocks import CrossAttention, FeedForward, SelfAttention
+from gradscope.models.sublayers import CrossAttention, FeedForward, SelfAttention
 from gradscope.models.inits import INITS
 from gradscope.models.rescale import b2t_rescale
 from gradscope.models.stack import Layer, Stack
@@ -14,9 +14,9 @@ from gradscope.models.variants import VARIANTS, StackSpec, Variant
 def build_layer(variant: Variant, spec: StackSpec, *, cross: bool):
     """One layer: self-attention, cross-attention (decoder of encoder–decoder), FFN."""
     c = spec.config
-    fns = {"self_attn": SelfAttention(c.d_model, c.n_heads)}
+    fns = {"self_attn": SelfAttention(c.d_model, c.n_heads, c.qk_norm, c.norm_eps)}
     if cross:
-        fns["cross_attn"] = CrossAttention(c.d_model, c.n_heads)
+        fns["cross_attn"] = CrossAttention(c.d_model, c.n_heads, c.qk_norm, c.norm_eps)
     fns["ffn"] = FeedForward(c.d_model, c.d_ff)
     gate = variant.layer_gate(spec)
     last = list(fns)[-1]

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from gradscope.models.blocks import Context
+from gradscope.models.sublayers import Context
 from gradscope.models.sites import Site, SiteNorm
 
 StackRun = tuple[torch.Tensor, list[torch.Tensor]]  # (stack output, [y_0, ..., y_L])

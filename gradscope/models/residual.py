@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradscope.models.blocks import Context
+from gradscope.models.sublayers import Context
 from gradscope.models.sites import Site, SiteNorm
 
 

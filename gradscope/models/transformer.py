@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradscope.models.blocks import Context
+from gradscope.models.sublayers import Context
 from gradscope.models.stack import Stack
 
 

@@ -10,13 +10,19 @@ variant name. Formulas cite their paper and equation.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from torch import nn
 
-from gradscope.config import ARCHS, ModelConfig
 from gradscope.models import connections, norms, residual
 from gradscope.models.embedding import Embedding, FixNormEmbedding
 from gradscope.models.rescale import deepnorm_rescale, tfixup_rescale
+
+if TYPE_CHECKING:  # the config validates against this registry, so only type hints point back at it
+    from gradscope.config import ModelConfig
+
+ARCHS: tuple[str, ...] = ("encoder_decoder", "decoder", "encoder")
+"""The model shapes the zoo builds: ``model(src, tgt_in)``, a causal LM and a masked LM."""
 
 
 @dataclass(frozen=True)
@@ -131,35 +137,35 @@ class B2TNoLN(PostLN):
 DLCL_OPTIONS = frozenset({"dlcl_weight_init", "dlcl_learnable", "dlcl_extra_ln"})
 
 
-def _dlcl_settings(config: ModelConfig) -> tuple[str, bool, bool]:
-    """(weight init, learnable, extra LN) with Wang 2019's defaults (avg, True, True)."""
-    return (
-        config.dlcl_weight_init or "avg",
-        True if config.dlcl_learnable is None else config.dlcl_learnable,
-        True if config.dlcl_extra_ln is None else config.dlcl_extra_ln,
-    )
+class _DLCL:
+    """The DLCL options (Wang 2019 Table 6; defaults avg, learnable, extra LN) and the
+    connection built from them. ``extra_from``: the first layer output that gets its own LN."""
+
+    options = DLCL_OPTIONS
+    connection_class: type[nn.Module]
+    extra_from: int
+
+    def connection(self, spec: StackSpec) -> nn.Module:
+        config = spec.config
+        init = config.dlcl_weight_init or "avg"
+        learnable = True if config.dlcl_learnable is None else config.dlcl_learnable
+        extra_ln = True if config.dlcl_extra_ln is None else config.dlcl_extra_ln
+        extra = {str(k): self.norm(spec) for k in range(self.extra_from, spec.depth + 1)} if extra_ln else None
+        return self.connection_class(spec.depth, init, learnable, extra)
 
 
-class DLCLPreVariant(PreLN):
+class DLCLPreVariant(_DLCL, PreLN):
     """``dlcl_pre``: Pre-LN layers combined by DLCL with per-output LN_k (Wang 2019 §3, Eq. 6)."""
 
-    options = DLCL_OPTIONS
-
-    def connection(self, spec: StackSpec) -> nn.Module:
-        init, learnable, extra_ln = _dlcl_settings(spec.config)
-        extra = {str(k): self.norm(spec) for k in range(1, spec.depth + 1)} if extra_ln else None
-        return connections.DLCLPre(spec.depth, init, learnable, extra)
+    connection_class = connections.DLCLPre
+    extra_from = 1  # y_0, the embedding, is not normalised
 
 
-class DLCLPostVariant(PostLN):
+class DLCLPostVariant(_DLCL, PostLN):
     """``dlcl_post``: Post-LN layers, x_{l+1} = LN'_l(Σ_k W[l,k]·y_k) (Wang 2019 §3)."""
 
-    options = DLCL_OPTIONS
-
-    def connection(self, spec: StackSpec) -> nn.Module:
-        init, learnable, extra_ln = _dlcl_settings(spec.config)
-        extra = {str(k): self.norm(spec) for k in range(0, spec.depth + 1)} if extra_ln else None
-        return connections.DLCLPost(spec.depth, init, learnable, extra)
+    connection_class = connections.DLCLPost
+    extra_from = 0
 
 
 class TransparentAttention(PostLN):

@@ -14,7 +14,8 @@ import pandas as pd
 from matplotlib.axes import Axes
 
 from gradscope.plots import _style
-from gradscope.plots import select as S
+from gradscope.table import SWEEP_COLUMNS
+from gradscope.table import select as S
 
 
 def loss_curves(
@@ -89,7 +90,7 @@ def depth_sweep(
     neither drawn nor marked.
 
     Args:
-        summary: sweep summary with ``select.SWEEP_COLUMNS`` (one row per run, see
+        summary: sweep summary with ``gradscope.table.SWEEP_COLUMNS`` (one row per run, see
             :func:`gradscope.claims.sweep_summary`); not modified.
         logy: log-scaled y axis.
         ax: Axes to draw on.
@@ -102,7 +103,7 @@ def depth_sweep(
     Raises:
         ValueError: a sweep column is missing.
     """
-    missing = [c for c in S.SWEEP_COLUMNS if c not in summary.columns]
+    missing = [c for c in SWEEP_COLUMNS if c not in summary.columns]
     if missing:
         raise ValueError(f"sweep summary lacks columns {missing}")
     ax = _style.get_ax(ax)
@@ -126,3 +127,34 @@ def depth_sweep(
         ax.set_yscale("log")
     _style.legend(ax, extra=[_style.failed_legend_handle()] if marks else [])
     return _style.finish(ax, title, ["converged runs only; x = failed"])
+
+
+def w_over_sigma_curves(
+    df: pd.DataFrame,
+    *,
+    hue_order: Sequence[str] | None = None,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """Mean LayerNorm w/σ over every norm of a run against step, one line per run (Xu 2020 Table 2).
+
+    Args:
+        df: tidy table with ``ln_w_over_sigma`` rows; not modified.
+        hue_order: the runs to draw, in order (default: every run, sorted).
+        ax: Axes to draw on.
+        title: first title line.
+
+    Returns:
+        The Axes; the reference line is the last line, labelled ``"w/σ = 1"``.
+    """
+    ax = _style.get_ax(ax)
+    pts = S.one_per_point(S.rows(df, quantity="ln_w_over_sigma"))
+    for run in S.hue_values(pts, "run", hue_order):
+        series = pts.loc[pts["run"] == run].groupby("step")["value"].mean()
+        ax.plot(series.index.to_numpy(float), series.to_numpy(float), marker="o", label=run)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="w/σ = 1")
+    ax.set_xlabel("optimizer step (0 = init)")
+    ax.set_ylabel("mean w/σ over all norms (dimensionless)")
+    ax.legend(fontsize="small")
+    ax.set_title(f"{title}\nmean over every LayerNorm of both stacks", fontsize="medium")
+    return ax

@@ -1,7 +1,7 @@
 """Matrix heatmaps: Takase (2022) Fig. 5 cosine similarities, Wang (2019) Fig. 5 DLCL weights.
 
 Matrices are stored as rows (``layer`` = i, ``layer_j`` = j) and pivoted here with
-:func:`gradscope.plots.select.matrix`. Heatmaps put row 0 at the top (seaborn), so the
+:func:`gradscope.table.select.matrix`. Heatmaps put row 0 at the top (seaborn), so the
 "lower-left" block is deep rows against shallow columns. Masked cells are masked in the
 drawn array (``ax.collections[0].get_array().mask``).
 """
@@ -16,8 +16,8 @@ import seaborn as sns
 from matplotlib.axes import Axes
 
 from gradscope.plots import _style
-from gradscope.plots import select as S
-from gradscope.plots.select import StepSpec
+from gradscope.table import select as S
+from gradscope.table.select import StepSpec
 
 
 def _one_matrix(

@@ -13,8 +13,8 @@ import pandas as pd
 from matplotlib.axes import Axes
 
 from gradscope.plots import _style
-from gradscope.plots import select as S
-from gradscope.plots.select import StepSpec
+from gradscope.table import select as S
+from gradscope.table.select import StepSpec
 
 
 def _points(df: pd.DataFrame, step: StepSpec, what: str) -> tuple[pd.DataFrame, dict[str, int]]:
@@ -154,9 +154,10 @@ def location_norms(
 
 def _norm_profile(
     df: pd.DataFrame, quantity: str, stack: str, hue: str, hue_order: Sequence[str] | None,
-    step: StepSpec, ax: Axes | None,
-) -> tuple[Axes, pd.DataFrame, dict[str, int]]:
-    """Per-norm quantity averaged per layer (sites opaque; the ``layer`` column is x)."""
+    step: StepSpec, ax: Axes | None, title: str | None, reference: tuple[float, str] | None,
+) -> Axes:
+    """Per-norm quantity averaged per layer (sites opaque; the ``layer`` column is x), with an
+    optional dashed ``(value, label)`` reference line."""
     data = S.rows(df, quantity=quantity, stack=stack)
     points, steps = _points(data.loc[data["layer"].notna()], step, f"{quantity} in {stack}")
     ax = _style.get_ax(ax)
@@ -164,7 +165,11 @@ def _norm_profile(
     ax.set_xlabel("layer")
     _style.integer_x(ax)
     ax.set_ylabel(_style.quantity_label(quantity, S.reduction_text(points), _style.loss_unit(df)))
-    return ax, points, steps
+    if reference is not None:
+        ax.axhline(reference[0], color="gray", linestyle="--", linewidth=1, label=reference[1])
+    _style.legend(ax, title=hue)
+    return _style.finish(ax, title, [stack, "mean over the layer's norms", _style.step_note(steps),
+                                     _style.averaged_note(int(points["n"].max()))])
 
 
 def w_over_sigma(
@@ -195,11 +200,7 @@ def w_over_sigma(
     Returns:
         The Axes; the reference line is the last line, labelled ``"w/σ = 1"``.
     """
-    ax, points, steps = _norm_profile(df, "ln_w_over_sigma", stack, hue, hue_order, step, ax)
-    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="w/σ = 1")
-    _style.legend(ax, title=hue)
-    return _style.finish(ax, title, [stack, "mean over the layer's norms", _style.step_note(steps),
-                                     _style.averaged_note(int(points["n"].max()))])
+    return _norm_profile(df, "ln_w_over_sigma", stack, hue, hue_order, step, ax, title, (1.0, "w/σ = 1"))
 
 
 def scalenorm_g(
@@ -209,6 +210,7 @@ def scalenorm_g(
     hue: str = "run",
     hue_order: Sequence[str] | None = None,
     step: StepSpec = "last",
+    init_g: float | None = None,
     ax: Axes | None = None,
     title: str | None = None,
 ) -> Axes:
@@ -222,13 +224,108 @@ def scalenorm_g(
         hue: column for one line per value.
         hue_order: order of the lines.
         step: step or ``"first"`` / ``"last"`` (default: after training).
+        init_g: g at initialisation (√d), drawn as a dashed reference line when given.
+        ax: Axes to draw on.
+        title: first title line.
+
+    Returns:
+        The Axes; the reference line, when drawn, is the last line, labelled ``"init g = √d"``.
+    """
+    reference = None if init_g is None else (init_g, "init g = √d")
+    return _norm_profile(df, "scalenorm_g", stack, hue, hue_order, step, ax, title, reference)
+
+
+def embed_grad_vs_depth(
+    df: pd.DataFrame,
+    runs: Sequence[str],
+    *,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """‖∂L/∂h‖₂ at ``encoder.embed.out`` against encoder depth, one point per run (Wang 2019 §5).
+
+    Args:
+        df: tidy table with ``act_grad_norm`` rows at step 0; not modified.
+        runs: the runs of the depth sweep (each run's depth is its number of encoder layers).
+        ax: Axes to draw on.
+        title: first title line.
+
+    Returns:
+        The Axes (log y).
+    """
+    ax = _style.get_ax(ax)
+    data = S.rows(df, quantity="act_grad_norm", stack="encoder", role="embed")
+    data = S.one_per_point(data.loc[data["run"].isin(runs)])
+    depth = {r: S.layer_depth(S.rows(df, run=r), "encoder") for r in runs}
+    data = data.assign(depth=data["run"].map(depth)).sort_values("depth")
+    ax.plot(data["depth"].to_numpy(float), data["value"].to_numpy(float), marker="o", label="post_ln")
+    ax.set_yscale("log")
+    ax.set_xlabel("encoder layers N")
+    ax.set_ylabel("‖∂L/∂h‖₂ at encoder.embed.out (loss: mean over tokens, nats)")
+    ax.legend(fontsize="small")
+    ax.set_title(f"{title}\nencoder.embed.out · step 0", fontsize="medium")
+    return ax
+
+
+GAIN_SUBLAYERS: tuple[tuple[str, str], ...] = (
+    ("self_attn", "LN1 (after SA)"), ("cross_attn", "LN2 (after CA)"), ("ffn", "LN3 (after FFN)"))
+"""(sub-layer, label) of the norms :func:`ln_gains` draws, in a Post-LN decoder layer's order."""
+
+
+def ln_gains(
+    df: pd.DataFrame,
+    *,
+    stack: str = "decoder",
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """``ln_gain`` = ‖grad in‖/‖grad out‖ of each in-layer norm against layer (Takase 2022 §3).
+
+    One line per sub-layer's norm (:data:`GAIN_SUBLAYERS`), a dashed line at gain 1; the
+    stack's final norm is left out.
+
+    Args:
+        df: tidy table with ``ln_gain`` rows of one run; not modified.
+        stack: ``"encoder"`` or ``"decoder"``.
         ax: Axes to draw on.
         title: first title line.
 
     Returns:
         The Axes.
     """
-    ax, points, steps = _norm_profile(df, "scalenorm_g", stack, hue, hue_order, step, ax)
-    _style.legend(ax, title=hue)
-    return _style.finish(ax, title, [stack, "mean over the layer's norms", _style.step_note(steps),
-                                     _style.averaged_note(int(points["n"].max()))])
+    ax = _style.get_ax(ax)
+    gains = S.rows(df, quantity="ln_gain", stack=stack)
+    gains = gains.loc[gains["layer"].notna()]  # the layers' norms, not the final norm
+    part = S.sublayer(gains["site"])  # an ln_gain row's site is its norm's module name
+    for label, name in GAIN_SUBLAYERS:
+        pts = S.one_per_point(gains.loc[part == label]).sort_values("layer")
+        ax.plot(pts["layer"].to_numpy(float), pts["value"].to_numpy(float), marker="o", markersize=3, label=name)
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="gain = 1")
+    ax.set_xlabel(f"{stack} layer")
+    _style.integer_x(ax)
+    ax.set_ylabel("‖∂L/∂x_in‖₂ / ‖∂L/∂x_out‖₂ of the norm (ratio)")
+    ax.legend(fontsize="small")
+    ax.set_title(f"{title}\nstep 0 · below 1: the norm shrinks the gradient", fontsize="medium")
+    return ax
+
+
+def scan_layers(layers: pd.DataFrame, *, ax: Axes | None = None, title: str | None = None) -> Axes:
+    """The scan's per-layer gradient norm, one line per stack (``gradscope scan``).
+
+    Args:
+        layers: ``ScanResult.layers`` (columns ``stack``, ``layer``, ``act_grad_norm``).
+        ax: Axes to draw on.
+        title: first title line.
+
+    Returns:
+        The Axes (log y).
+    """
+    ax = _style.get_ax(ax)
+    for stack, rows in layers.groupby("stack", sort=False):
+        ax.plot(rows.layer, rows.act_grad_norm, marker="o", label=stack or "blocks")
+    ax.set_yscale("log")
+    ax.set_xlabel("layer (1 = bottom)")
+    ax.set_ylabel("‖∂L/∂y_l‖₂ at the layer output (loss: mean over tokens, nats)")
+    ax.set_title(f"gradscope scan: {title}\none step on a synthetic batch, before training", fontsize=9)
+    ax.legend()
+    return ax

@@ -33,6 +33,7 @@ from torch import nn
 
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
+from gradscope.recorder.signals import Signals
 from gradscope.recorder.taps import (
     NormTap,
     Tap,
@@ -102,10 +103,12 @@ class Capture:
         self._stack_pos = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
         self._widths = {st.name: (st.width, len(st.sites)) for st in layout.stacks}
         self.handles: list = []
+        self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
 
     # -- installation -------------------------------------------------------------------
-    def install(self) -> None:
-        """Registers every hook (once per Recorder)."""
+    def install(self, captures: frozenset[str] = frozenset()) -> None:
+        """Registers every hook (once per Recorder); ``captures``: what the Recorder's
+        quantities may capture (the forward signals' hooks are installed only if asked for)."""
         self.handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
         for j, norm in enumerate(self.layout.norms):  # before the site taps: sees the norm's raw output
             self.handles.append(norm.module.register_forward_hook(self._norm_hook(j), with_kwargs=True))
@@ -114,6 +117,7 @@ class Capture:
                 self.handles.append(p.module.register_forward_hook(self._output_hook(i)))
             else:
                 self.handles.append(p.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
+        self.signals.install(attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
 
     def remove(self) -> None:
         """Removes every hook and lets the buffers go."""
@@ -123,12 +127,14 @@ class Capture:
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.signals.remove()
         self.probe = self.fwd = None
         self.snapshots.clear()
 
     # -- per recorded step ----------------------------------------------------------------
     def begin(self, device: torch.device, *, value: bool, grad: bool, wsig: bool, cosine: bool,
-              cosine_tokens: int, generator: torch.Generator) -> None:
+              cosine_tokens: int, generator: torch.Generator, attention: bool = False, rms: bool = False,
+              logits: bool = False) -> None:
         """Arms the hooks for one recorded step."""
         if self.device != device or self.probe is None:
             self.device = device
@@ -158,6 +164,8 @@ class Capture:
         self.calls = [0] * len(self.calls)
         self.recalls = [0] * len(self.calls)
         self.seq = 0
+        if attention or rms or logits:
+            self.signals.begin(device, attention=attention, rms=rms, logits=logits)
         self.on = True
 
     def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, np.ndarray]], list[int]]:
@@ -165,6 +173,7 @@ class Capture:
         host marks), one per backward and a last one for forward work after the last
         backward, and the call counts."""
         self.on = False
+        self.signals.end()
         self.snapshot()
         snapshots, self.snapshots = self.snapshots, []
         return snapshots, list(self.calls)

@@ -59,7 +59,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     for k, v in zip(keys, values):
         if k[4] == SCALE:
             continue
-        if scale is not None and k[4] == "param_grad_norm" and not params_unscaled:
+        if scale is not None and k[4] in ("param_grad_norm", "grad_rms_over_eps") and not params_unscaled:
             v = v / scale
         device.setdefault(k[4], []).append((k, float(v)))
     grad_sq, order, value, misfit = micro_steps(blocks["snapshots"], blocks["marks"], len(points) * K)

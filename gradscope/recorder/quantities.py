@@ -19,6 +19,15 @@ import numpy as np
 import torch
 
 from gradscope.recorder.layout import Layout, Probe
+from gradscope.recorder.signal_quantities import (
+    AttnEntropy,
+    AttnLogitMax,
+    GradRmsOverEps,
+    OutputLogitLogZ,
+    OutputLogitLogZMax,
+    SublayerOutRms,
+    group_grad_norms,
+)
 from gradscope.recorder.store import StepBuffer
 
 Row = tuple[tuple, float]
@@ -231,7 +240,7 @@ class ParamGradNorm(Quantity):
     name = "param_grad_norm"
 
     def collect(self, rec, buf):
-        norms = rec.groups.group_norms(rec.groups.grads())
+        norms = group_grad_norms(rec, buf)
         if norms is not None:
             keys = [(-1, s, lay, g, self.name, None, "") for g, (s, lay) in zip(rec.groups.groups, rec.groups.positions)]
             buf.add_many(keys, norms)
@@ -294,6 +303,7 @@ REGISTRY: dict[str, Quantity] = {
     q.name: q for q in (
         ActGradNorm(), ActNorm(), ParamGradNorm(), LnGain(), Logged("loss"), Lr(), NonFinite(), WOverSigma(),
         Cosine(), DlclWeight(), ScaleNormG(), UpdateRatio(), Logged("val_loss"),
+        AttnLogitMax(), AttnEntropy(), OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
     )
 }
 """Quantity name -> its class instance. ``nonfinite_grad`` rows come with ``nonfinite``."""

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -35,25 +37,32 @@ from gradscope.recorder.finish import check_calls, step_rows
 from gradscope.recorder.layout import find_layout
 from gradscope.recorder.params import ParamGroups
 from gradscope.recorder.quantities import REGISTRY
+from gradscope.recorder.spike import SPIKE, SpikeDetector
 from gradscope.recorder.store import RowStore, StepBuffer
 from gradscope.recorder.wrappers import dist_rank, grad_versions, no_autocast, unwrap
+from gradscope.sinks.base import RunInfo, Sink
+from gradscope.sinks.outlet import Outlet, make_sinks
 from gradscope.table import QUANTITIES
 
+KNOWN = QUANTITIES  # spike among them: computed on the host by the Outlet
+
 DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
-ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio")
+ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", SPIKE)
+SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "output_logit_log_z_max", "sublayer_out_rms",
+                     "grad_rms_over_eps")  # signals before instability (gradscope.recorder.signals)
 SLOW_QUANTITIES = frozenset(name for name, q in REGISTRY.items() if q.slow)  # every ``slow_every`` recorded steps
 
 
 def resolve_quantities(quantities: str | tuple | list) -> tuple[str, ...]:
     """``"default"``, ``"all"``, or a list of names from ``gradscope.table.QUANTITIES``."""
     if isinstance(quantities, str):
-        presets = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES}
+        presets = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES, "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
         if quantities not in presets:
-            raise ValueError(f"quantities: unknown preset {quantities!r}; valid: ['all', 'default'] or a list of {list(QUANTITIES)}")
+            raise ValueError(f"quantities: unknown preset {quantities!r}; valid: {sorted(presets)} or a list of {list(KNOWN)}")
         return presets[quantities]
-    unknown = [q for q in quantities if q not in QUANTITIES]
+    unknown = [q for q in quantities if q not in KNOWN]
     if unknown:
-        raise ValueError(f"quantities: unknown {unknown}; valid: {sorted(QUANTITIES)}")
+        raise ValueError(f"quantities: unknown {unknown}; valid: {sorted(KNOWN)}")
     return tuple(quantities)
 
 
@@ -71,13 +80,15 @@ class Recorder:
             from ``model.module``), and so is a ``torch.compile`` wrapper; FSDP2
             (``fully_shard``) models are used as they are. Under ``torch.distributed`` see
             :mod:`gradscope.distributed`.
-        quantities: ``"default"`` (norms, ln_gain, loss, lr, nonfinite), ``"all"``, or a
-            list of quantity names.
+        quantities: ``"default"`` (norms, ln_gain, loss, lr, nonfinite), ``"all"`` (every
+            quantity of the seeds' papers), ``"signals"`` (default plus the signals before
+            instability: attention logits and entropy, output log Z, sub-layer RMS, gradient
+            RMS over Adam's ε), or a list of quantity names.
         every: record steps whose index is a multiple of ``every`` (default 1).
         slow_every: cosine and update_ratio are taken on recorded steps that are
             multiples of this (default 10).
         sites: shell-style patterns selecting sites (default: all).
-        run: value of the ``run`` column.
+        run: value of the ``run`` column (default: the name of ``log_dir``, else ``"run"``).
         variant: value of the ``variant`` column (default: the zoo config's variant, or
             the model's class name).
         optimizer: when given, ``lr`` is read from it and ``update_ratio`` (‖Δθ‖/‖θ‖ per
@@ -91,6 +102,13 @@ class Recorder:
         max_calls: rows kept per site for a module called several times in one forward
             (a shared layer): ``site``, ``site#2``, ... (default 16; later calls add into
             the last and a warning says so).
+        log_dir: stream the rows to a parquet dataset in this folder
+            (:class:`gradscope.sinks.ParquetSink`) instead of keeping them in memory;
+            ``frame()`` then reads them back and ``gradscope.load(log_dir)`` reads the run.
+        flush_every: with ``log_dir``, recorded steps buffered before a part file is
+            written (default 100): at most this many are lost if the process is killed.
+        sinks: more :class:`gradscope.sinks.Sink` s that receive every row as it is
+            recorded (``TensorBoardSink``, ``WandbSink``); closed by ``close()``.
     """
 
     def __init__(
@@ -101,7 +119,7 @@ class Recorder:
         every: int = 1,
         slow_every: int = 10,
         sites: list[str] | None = None,
-        run: str = "run",
+        run: str | None = None,
         variant: str | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scaler=None,
@@ -110,6 +128,9 @@ class Recorder:
         seed: int = 0,
         rank: int | None = None,
         max_calls: int = 16,
+        log_dir: str | os.PathLike | None = None,
+        flush_every: int = 100,
+        sinks: list[Sink] | tuple = (),
     ) -> None:
         for name, value in (("every", every), ("slow_every", slow_every), ("cosine_tokens", cosine_tokens),
                             ("max_calls", max_calls)):
@@ -123,7 +144,7 @@ class Recorder:
         self.every, self.slow_every = every, slow_every
         self.layout = find_layout(model, sites)
         self.groups = ParamGroups(model, self.layout)
-        self.run = run
+        self.run = run if run is not None else Path(log_dir).name if log_dir is not None else "run"
         config = getattr(model, "config", None)
         self.variant = variant or getattr(config, "variant", None) or type(model).__name__
         self.optimizer, self.scaler = optimizer, scaler
@@ -131,9 +152,11 @@ class Recorder:
         self.rank = rank if rank is not None else dist_rank()
         self._generator = torch.Generator().manual_seed(seed)
         self._store = RowStore()
+        self._out = Outlet(self._store, make_sinks(log_dir, flush_every, sinks), RunInfo(self.run, self.variant, self.rank, reduction),
+                           SpikeDetector() if SPIKE in self.quantities else None)
         self._forward_params = _positional_names(model)
         self._capture = Capture(model, self.layout, max_calls, self._token_masks)
-        self._capture.install()
+        self._capture.install(frozenset().union(*(REGISTRY[q].captures for q in self.quantities if q in REGISTRY)))
         self._wants: set[str] = set()
         self._buffer: StepBuffer | None = None
         self._step: int | None = None
@@ -190,6 +213,7 @@ class Recorder:
         self._step = step
         if not self.records(step):
             return False
+        self._out.begin(step)
         self._wants = set(self.quantities)
         if step % (self.every * self.slow_every):
             self._wants -= SLOW_QUANTITIES
@@ -197,7 +221,8 @@ class Recorder:
         self._buffer = StepBuffer()
         self._capture.begin(self._device(), value="value" in captures, grad="grad" in captures,
                             wsig="wsig" in captures, cosine="cosine" in captures,
-                            cosine_tokens=self.cosine_tokens, generator=self._generator)
+                            cosine_tokens=self.cosine_tokens, generator=self._generator,
+                            attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
         self._recording = True
         if not self._ever_seen:
             self._grad_versions = grad_versions(self.model)
@@ -247,7 +272,7 @@ class Recorder:
             if self._step is None:
                 raise ValueError("Recorder.log: no open step; pass step=")
             return  # the open step is not recorded: nothing to log
-        self._store.append(step, [key], np.array([float(value)]))
+        self._out.append(step, [key], np.array([float(value)]))
 
     # -- end of step ---------------------------------------------------------------------
     def _finish(self, step: int, wants: set[str]) -> None:
@@ -266,7 +291,7 @@ class Recorder:
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
                                        K=self._capture.K, wants=wants, params_unscaled=self._params_unscaled())
         self._ever_seen = check_calls(self, step, data, calls)
-        self._store.append(step, keys, values)
+        self._out.append(step, keys, values)
         if "update_ratio" in wants and self.optimizer is not None:
             self._pending_update = step
 
@@ -302,7 +327,7 @@ class Recorder:
         base = self.groups.group_norms(self._before_update)
         ratio = (delta / base.clamp_min(torch.finfo(base.dtype).tiny)).cpu().double().numpy()
         keys = [(-1, s, l, g, "update_ratio", None, "") for g, (s, l) in zip(self.groups.groups, self.groups.positions)]
-        self._store.append(self._pending_update, keys, ratio)
+        self._out.append(self._pending_update, keys, ratio)
         self._pending_update, self._before_update = None, None
 
     # -- masks for cosine ----------------------------------------------------------------
@@ -349,6 +374,9 @@ class Recorder:
             from gradscope.distributed import gather_frame
 
             return gather_frame(self, dst=dst)
+        disk = self._out.frame()  # with log_dir: the parts written so far and the buffer
+        if disk is not None:
+            return disk
         return self._store.frame(run=self.run, variant=self.variant, rank=self.rank, reduction=self.reduction)
 
     def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
@@ -363,13 +391,19 @@ class Recorder:
         if df is not None:
             save_frame(df, path)
 
+    def flush(self) -> None:
+        """Writes what the sinks buffer (a part file for ``log_dir``, pending tracker rows) now."""
+        self._out.flush()
+
     def close(self) -> None:
-        """Removes every hook (module, tensor and optimizer); the recorded table stays readable."""
+        """Removes every hook (module, tensor and optimizer) and flushes and closes the sinks;
+        the recorded table stays readable."""
         self._capture.remove()
         for h in self._opt_handles:
             h.remove()
         self._opt_handles = []
         self._closed = True
+        self._out.close()
 
     def __enter__(self) -> "Recorder":
         return self

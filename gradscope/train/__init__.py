@@ -22,7 +22,6 @@ from gradscope.train.optim import (
     make_scheduler,
 )
 from gradscope.train.tasks import (
-    ARCHS,
     BOS,
     EOS,
     TASKS,
@@ -36,7 +35,6 @@ from gradscope.train.tasks import (
 from gradscope.train.text import ParallelTextTask, Vocab, load_parallel_text
 
 __all__ = [
-    "ARCHS",
     "BOS",
     "EOS",
     "LOSS_LOG_BASE",

@@ -2,7 +2,7 @@
 
 A checkpoint is one ``torch.save`` dict (loadable with ``weights_only=True``): model,
 optimizer and scheduler state, every RNG state (torch CPU, CUDA, Python ``random``,
-NumPy's global generator), the step, the config and the history rows so far. It is
+NumPy's global generator), the step, the config and the run's rows so far (the store's state). It is
 written to a temporary file in the same directory and moved into place with
 ``os.replace``, so a crash never leaves a half-written ``last.pt``.
 """

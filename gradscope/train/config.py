@@ -1,4 +1,4 @@
-"""Training configuration: one frozen keyword-only dataclass, presets as functions."""
+"""Training configuration: one frozen keyword-only dataclass (named presets: ``gradscope.presets``)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ DEVICES: tuple[str, ...] = ("cpu", "cuda", "auto")
 # cannot be resumed bit-identically, so ``train`` refuses to resume across them.
 TRAJECTORY_FIELDS: tuple[str, ...] = (
     "batch_size", "lr", "warmup", "schedule", "betas", "eps", "weight_decay", "label_smoothing", "clip_norm", "seed",
+    "z_loss",
 )
 
 
@@ -40,6 +41,10 @@ class TrainConfig:
         label_smoothing: ε of the label-smoothed cross entropy (torch semantics: ε/V on
             every class).
         clip_norm: max global gradient norm, or None for no clipping.
+        z_loss: coefficient of the auxiliary z-loss, ``z_loss · mean over tokens of
+            (log Z)²`` with log Z the logsumexp of the output logits (PaLM; Wortsman et al.
+            2023 §3.2 use 1e-4); 0 (default) turns it off. The logged ``loss`` stays the
+            cross entropy, so runs with and without it compare.
         eval_every: validation every this many steps (multiples of it); 0 disables.
         eval_batches: validation batches per evaluation (always the same ones: 0..n-1).
         checkpoint_every: checkpoint every this many steps when a directory is given; the
@@ -59,6 +64,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     label_smoothing: float = 0.1
     clip_norm: float | None = None
+    z_loss: float = 0.0
     eval_every: int = 100
     eval_batches: int = 4
     checkpoint_every: int = 0
@@ -78,6 +84,7 @@ class TrainConfig:
         _check(self.weight_decay >= 0, "weight_decay", self.weight_decay, "must be >= 0")
         _check(0.0 <= self.label_smoothing < 1.0, "label_smoothing", self.label_smoothing, "must be in [0, 1)")
         _check(self.clip_norm is None or self.clip_norm > 0, "clip_norm", self.clip_norm, "must be None or > 0")
+        _check(math.isfinite(self.z_loss) and self.z_loss >= 0, "z_loss", self.z_loss, "must be a finite number >= 0")
         _check(self.eval_every >= 0, "eval_every", self.eval_every, "must be >= 0")
         _check(self.eval_batches >= 1, "eval_batches", self.eval_batches, "must be >= 1")
         _check(self.checkpoint_every >= 0, "checkpoint_every", self.checkpoint_every, "must be >= 0")
@@ -87,6 +94,14 @@ class TrainConfig:
     def replace(self, **changes: object) -> TrainConfig:
         """Returns a copy with ``changes`` applied (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def describe(self) -> str:
+        """The recipe in one line, for figure footers."""
+        warm = f"{self.warmup}-step linear warm-up, " if self.warmup else "no warm-up, "
+        return (f"{self.steps} steps, Adam β=({self.betas[0]:g}, {self.betas[1]:g}), peak lr {self.lr:g}, "
+                f"{warm}{self.schedule} schedule, label smoothing {self.label_smoothing:g}, "
+                f"{f'z-loss {self.z_loss:g}, ' if self.z_loss else ''}"
+                f"loss in nats (mean over target tokens), seed {self.seed}")
 
 
 def _check(ok: bool, field: str, value: object, why: str) -> None:
@@ -102,17 +117,3 @@ def resolve_device(device: str) -> torch.device:
         raise ValueError("TrainConfig.device='cuda' but torch.cuda.is_available() is False")
     return torch.device(device)
 
-
-def ci() -> TrainConfig:
-    """A few hundred tiny CPU steps: the CI preset."""
-    return TrainConfig(steps=300, batch_size=32, lr=3e-3, warmup=50, eval_every=50, eval_batches=2, device="cpu")
-
-
-def default() -> TrainConfig:
-    """A laptop-sized run."""
-    return TrainConfig(steps=3000, batch_size=64, lr=1e-3, warmup=400, eval_every=200, eval_batches=8)
-
-
-def paper() -> TrainConfig:
-    """Closer to the papers' recipe (Wang et al. 2019 deep models: lr 2e-3, warm-up 16k), for a GPU."""
-    return TrainConfig(steps=50_000, batch_size=256, lr=2e-3, warmup=16_000, eval_every=1000, eval_batches=32)

@@ -3,28 +3,34 @@
 One step::
 
     batch = task.batch("train", step, B)
-    with recorder.step(step):                    # only when a recorder is given
+    with store.step(step):
         logits = model(*task.model_inputs(batch))
         loss = label_smoothed_loss(logits, task.targets(batch))
         loss.backward()
     value = loss.item()                          # the step's only host sync
-    recorder.log("loss", value, step=step); recorder.log("lr", lr, step=step)   # if it has log()
+    store.log("loss", value, step=step); store.log("lr", lr, step=step)
     clip; optimizer.step(); scheduler.step()     # skipped when the loss is non-finite
-    validation every ``eval_every`` steps; checkpoint every ``checkpoint_every`` steps
+    store.log("val_loss", ...) every ``eval_every`` steps; checkpoint every ``checkpoint_every`` steps
+
+One store per run: the loop logs its rows to the recorder it was given, and only there, so
+``recorder.frame()`` is the whole run's table. Without a recorder, or with one that keeps no
+rows (only a ``step`` context, maybe ``log``), the store is a :class:`~gradscope.train.history.History`
+(a recorder with no model quantities) that passes ``step`` and ``log`` on to it.
 
 Recorder protocol (duck-typed): ``recorder.step(step)`` returns a context manager that
-covers forward and backward and closes before ``optimizer.step()``; an optional
-``recorder.log(quantity, value, step=step)`` receives ``"loss"`` and ``"lr"`` every step;
-``recorder.attach_optimizer(optimizer)`` (if present) is called once, and
-``recorder.state_dict()`` / ``load_state_dict()`` (if present) travel in the checkpoint, so
-a resumed run's record table has every step exactly once.
+covers forward and backward and closes before ``optimizer.step()``;
+``recorder.log(quantity, value, step=step)`` receives ``"loss"`` and ``"lr"`` every step and
+``"val_loss"`` at each evaluation; ``recorder.frame()`` (with ``log``: the recorder is the
+store) returns the table; ``recorder.attach_optimizer(optimizer)`` (if present) is called
+once, and ``recorder.state_dict()`` / ``load_state_dict()`` (if present) travel in the
+checkpoint, so a resumed run's table has every step exactly once.
 Validation forwards run outside any ``recorder.step`` context.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import functools
 import math
 import random
 from dataclasses import dataclass
@@ -37,10 +43,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from gradscope.table import make_frame
 from gradscope.train.checkpoint import get_rng_state, load_checkpoint, save_checkpoint, set_rng_state
 from gradscope.train.config import TRAJECTORY_FIELDS, TrainConfig, resolve_device
-from gradscope.train.optim import LOSS_LOG_BASE, LOSS_REDUCTION, label_smoothed_loss, make_optimizer, make_scheduler
+from gradscope.train.history import LOOP_QUANTITIES, History, keeps_rows
+from gradscope.train.optim import LOSS_LOG_BASE, LOSS_REDUCTION, label_smoothed_loss, make_optimizer, make_scheduler, z_loss
 from gradscope.train.tasks import Task
 
 
@@ -51,8 +57,8 @@ class TrainResult:
     Attributes:
         step: the last step whose loss was computed (``config.steps`` unless the run
             diverged and stopped early, or a checkpoint was already past it).
-        history: tidy table (``gradscope.table`` columns) with quantities ``loss`` and
-            ``lr`` every step and ``val_loss`` every ``eval_every`` steps.
+        store: where the loop logged: the recorder given to ``train``, or its ``History``.
+            ``store.frame()`` is the run's whole table.
         diverged: a training loss was NaN or Inf.
         resumed_from: the checkpoint step the run started from, or None.
         loss_reduction: ``"mean"`` over non-pad target tokens.
@@ -60,11 +66,22 @@ class TrainResult:
     """
 
     step: int
-    history: pd.DataFrame
+    store: Any
     diverged: bool = False
     resumed_from: int | None = None
     loss_reduction: str = LOSS_REDUCTION
     loss_log_base: str = LOSS_LOG_BASE
+
+    @functools.cached_property
+    def history(self) -> pd.DataFrame:
+        """The loop's rows of the store: tidy table (``gradscope.table`` columns) with
+        quantities ``loss`` and ``lr`` every step and ``val_loss`` every ``eval_every`` steps.
+        With a ``gradscope.Recorder`` as the store, its ``run``, ``variant``, ``rank`` and
+        ``reduction`` columns are the recorder's."""
+        frame = self.store.frame()
+        history = frame.loc[frame["quantity"].isin(list(LOOP_QUANTITIES))].reset_index(drop=True)
+        history.attrs.update(loss_reduction=self.loss_reduction, loss_log_base=self.loss_log_base)
+        return history
 
     def curve(self, quantity: str = "loss") -> pd.Series:
         """``value`` of one quantity indexed by step."""
@@ -108,15 +125,17 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
         task: a built-in task (``make_task``) or ``load_parallel_text`` result.
         config: the ``TrainConfig``.
         recorder: optional object with ``step(step)`` (a context manager wrapped around
-            forward + backward) and optionally ``log(step, quantity, value)``.
+            forward + backward) and optionally ``log(quantity, value, step=step)``; with
+            ``log`` and ``frame`` (a ``gradscope.Recorder``) it is the run's store and
+            receives the loop's rows (``run`` and ``variant`` below are then its own).
         checkpoint_dir: where ``last.pt`` is written; None disables checkpoints.
         resume: when ``checkpoint_dir`` holds a checkpoint, continue from it. The result
             then equals an uninterrupted run bit for bit (same parameters and history);
             a checkpoint already at or past ``config.steps`` is returned as it is. With
             ``resume=False`` the run starts afresh and overwrites the checkpoint.
         progress: show a tqdm bar with loss and lr (hidden when stderr is not a tty).
-        run: ``run`` column of the history.
-        variant: ``variant`` column of the history.
+        run: ``run`` column of the history (without a recorder that keeps rows).
+        variant: ``variant`` column of the history (likewise).
 
     Returns:
         A ``TrainResult``.
@@ -129,7 +148,7 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
     model.to(device)
     optimizer = make_optimizer(model, config)
     scheduler = make_scheduler(optimizer, config)
-    rows: list[dict[str, Any]] = []
+    store = recorder if keeps_rows(recorder) else History(run=run, variant=variant, hooks=recorder)
     start, resumed_from = 0, None
     state = load_checkpoint(checkpoint_dir) if checkpoint_dir is not None and resume else None
     if state is not None:
@@ -138,17 +157,17 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["scheduler"])
         set_rng_state(state["rng"])
-        rows = list(state["history"])
         start = resumed_from = int(state["step"])
-        if recorder is not None and hasattr(recorder, "load_state_dict") and "recorder" in state:
-            recorder.load_state_dict(state["recorder"])
+        if "recorder" in state and hasattr(store, "load_state_dict"):
+            store.load_state_dict(state["recorder"])
+        elif "history" in state and isinstance(store, History):  # LEGACY: the loop kept its rows apart
+            store.load_state_dict({"rows": state["history"]})
     else:
         seed_everything(config.seed)
 
     step, diverged = start, False
-    log = getattr(recorder, "log", None)
-    if hasattr(recorder, "attach_optimizer"):
-        recorder.attach_optimizer(optimizer)
+    if hasattr(store, "attach_optimizer"):
+        store.attach_optimizer(optimizer)
     model.train()
     bar = tqdm(total=config.steps, initial=start, desc=run, disable=None if progress else True, dynamic_ncols=True)
     try:
@@ -156,19 +175,18 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
             batch = tuple(t.to(device, non_blocking=True) for t in task.batch("train", step, config.batch_size))
             lr = optimizer.param_groups[0]["lr"]
             optimizer.zero_grad(set_to_none=True)
-            with recorder.step(step) if recorder is not None else contextlib.nullcontext():
+            with store.step(step):
                 logits = model(*task.model_inputs(batch))  # (B, T, vocab)
                 if logits.shape[-1] != task.vocab:
                     raise ValueError(f"model returned {logits.shape[-1]} logits per token; task.vocab={task.vocab}")
                 loss = label_smoothed_loss(logits, task.targets(batch), pad_id=task.pad_id,
                                            smoothing=config.label_smoothing)
-                loss.backward()
+                objective = loss + config.z_loss * z_loss(logits, task.targets(batch), pad_id=task.pad_id) \
+                    if config.z_loss else loss
+                objective.backward()
             value = loss.item()
-            rows.append(_row(run, variant, step, "loss", value, LOSS_REDUCTION))
-            rows.append(_row(run, variant, step, "lr", lr, ""))
-            if log is not None:
-                log("loss", value, step=step)
-                log("lr", lr, step=step)
+            store.log("loss", value, step=step)
+            store.log("lr", lr, step=step)
             bar.update(1)
             bar.set_postfix(loss=f"{value:.4f}", lr=f"{lr:.3g}", refresh=False)
             if not math.isfinite(value):
@@ -182,21 +200,19 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
             if config.eval_every and step % config.eval_every == 0:
                 val = evaluate(model, task, batch_size=config.batch_size, n_batches=config.eval_batches,
                                smoothing=config.label_smoothing, device=device)
-                rows.append(_row(run, variant, step, "val_loss", val, LOSS_REDUCTION))
+                store.log("val_loss", val, step=step)
             every = config.checkpoint_every
             if checkpoint_dir is not None and (step == config.steps or (every and step % every == 0)):
                 save_checkpoint(checkpoint_dir, {
                     "step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "rng": get_rng_state(), "history": rows,
+                    "scheduler": scheduler.state_dict(), "rng": get_rng_state(),
                     "config": dataclasses.asdict(config), "task": repr(task),
-                    **({"recorder": recorder.state_dict()} if hasattr(recorder, "state_dict") else {}),
+                    **({"recorder": store.state_dict()} if hasattr(store, "state_dict") else {}),
                 })
     finally:
         bar.close()
 
-    history = make_frame(rows)
-    history.attrs.update(loss_reduction=LOSS_REDUCTION, loss_log_base=LOSS_LOG_BASE)
-    return TrainResult(step=step, history=history, diverged=diverged, resumed_from=resumed_from)
+    return TrainResult(step=step, store=store, diverged=diverged, resumed_from=resumed_from)
 
 
 def seed_everything(seed: int) -> None:
@@ -206,14 +222,11 @@ def seed_everything(seed: int) -> None:
     np.random.seed(seed % 2**32)
 
 
-def _row(run: str, variant: str, step: int, quantity: str, value: float, reduction: str) -> dict[str, Any]:
-    return {"run": run, "variant": variant, "step": step, "quantity": quantity, "value": float(value),
-            "reduction": reduction}
-
-
 def _check_resumable(saved: dict[str, Any], config: TrainConfig, checkpoint_dir: str | Path) -> None:
     now = dataclasses.asdict(config)
-    diff = {k: (saved.get(k), now[k]) for k in TRAJECTORY_FIELDS if _norm(saved.get(k)) != _norm(now[k])}
+    defaults = {"z_loss": 0.0}  # fields added later: a checkpoint written before them ran with the default
+    diff = {k: (saved.get(k, defaults.get(k)), now[k]) for k in TRAJECTORY_FIELDS
+            if _norm(saved.get(k, defaults.get(k))) != _norm(now[k])}
     if diff:
         detail = ", ".join(f"{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in diff.items())
         raise ValueError(f"cannot resume from {str(checkpoint_dir)!r}: {detail}; pass resume=False or another "

@@ -89,3 +89,18 @@ def label_smoothed_loss(logits: Tensor, target: Tensor, *, pad_id: int, smoothin
     uniform = -logp.mean(-1)  # (N,)
     per_token = (1.0 - smoothing) * nll + smoothing * uniform
     return torch.where(keep, per_token, 0.0).sum() / keep.sum()
+
+
+def z_loss(logits: Tensor, target: Tensor, *, pad_id: int) -> Tensor:
+    """Mean over non-pad target tokens of (log Z)², log Z = logsumexp of the logits: the
+    auxiliary loss that keeps the output logits' log-partition near 0 (PaLM, Chowdhery et
+    al. 2022; Wortsman et al. 2023 §3.2). Multiply by its coefficient (1e-4 in both).
+
+    Args:
+        logits: (..., V) unnormalised scores.
+        target: (...) ids; positions equal to ``pad_id`` are ignored.
+        pad_id: padding id.
+    """
+    log_z = torch.logsumexp(logits.float(), dim=-1).flatten()
+    keep = target.flatten() != pad_id
+    return torch.where(keep, log_z.square(), 0.0).sum() / keep.sum()

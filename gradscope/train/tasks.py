@@ -37,7 +37,6 @@ BOS = 1
 EOS = 2
 FIRST_CONTENT = 3
 SPLITS: tuple[str, ...] = ("train", "valid", "test")
-ARCHS: tuple[str, ...] = ("encoder_decoder", "decoder", "encoder")
 
 Batch = tuple[Tensor, ...]
 

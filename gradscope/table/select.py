@@ -1,4 +1,4 @@
-"""Row selection shared by the plot functions and :mod:`gradscope.claims` (pure pandas).
+"""Row selection shared by :mod:`gradscope.plots` and :mod:`gradscope.claims` (pure pandas).
 
 Every function here returns a new frame and never writes into its input.
 
@@ -27,15 +27,6 @@ import numpy as np
 import pandas as pd
 
 StepSpec = Union[int, Literal["first", "last"]]
-
-SWEEP_COLUMNS: tuple[str, ...] = ("run", "variant", "init", "depth", "best_val_loss", "converged")
-"""Columns of a depth-sweep summary, one row per training run.
-
-run: run name; variant: wiring (``post_ln``...); init: initialisation (``xavier``,
-``lipschitz``...); depth: layers per stack (int); best_val_loss: lowest validation loss
-in nats (NaN when the run never produced a finite one); converged: bool, decided by
-:func:`gradscope.claims.run_outcome`.
-"""
 
 LOCATIONS: tuple[tuple[str, str, str], ...] = (
     ("self_attn", "norm_in", "(1) LN1 in"),

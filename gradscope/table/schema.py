@@ -20,9 +20,16 @@ Columns:
         ``cosine``, ``dlcl_weight``, ``scalenorm_g``, ``loss``, ``val_loss``, ``lr``,
         ``update_ratio``, ``nonfinite`` (forward activations that held a NaN/Inf, value =
         order of appearance, 0 first), ``nonfinite_grad`` (the same for gradients, after
-        every forward row), ``act_norm`` (‖h‖₂ of the site's forward value).
+        every forward row), ``act_norm`` (‖h‖₂ of the site's forward value); the signals
+        before instability ``attn_logit_max`` and ``attn_entropy`` (per head: ``layer_j``
+        is the head), ``output_logit_log_z`` (mean log-partition of the output logits) and
+        ``output_logit_log_z_max``, ``sublayer_out_rms``, ``grad_rms_over_eps``
+        (:mod:`gradscope.recorder.signals`); ``spike`` (the z-score, above 6, of an
+        ``act_grad_norm`` or ``param_grad_norm`` value against that series' previous 128
+        recorded values: :mod:`gradscope.recorder.spike`).
     value: the number (float64).
-    layer_j: column index j of matrix quantities, ``<NA>`` otherwise.
+    layer_j: column index j of matrix quantities, the head (0-based) of per-head
+        quantities, ``<NA>`` otherwise.
     reduction: how the loss was reduced over tokens (``"mean"`` or ``"sum"``), so that
         gradient norms from different runs are comparable.
     role: what the site is, stated once by the recorder's layout for zoo and foreign
@@ -35,7 +42,7 @@ Columns:
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any
 
 import pandas as pd
@@ -101,7 +108,25 @@ QUANTITIES: tuple[str, ...] = (
     "nonfinite_grad",
     "act_norm",
     "val_loss",
+    "attn_logit_max",
+    "attn_entropy",
+    "output_logit_log_z",
+    "output_logit_log_z_max",
+    "sublayer_out_rms",
+    "grad_rms_over_eps",
+    "spike",
 )
+
+
+SWEEP_COLUMNS: tuple[str, ...] = ("run", "variant", "init", "depth", "best_val_loss", "converged")
+"""Columns of a depth-sweep summary (a second, per-run table), one row per training run.
+
+run: run name; variant: wiring (``post_ln``...); init: initialisation (``xavier``,
+``lipschitz``...); depth: layers per stack (int); best_val_loss: lowest validation loss
+in nats (NaN when the run never produced a finite one); converged: bool, decided by
+:func:`gradscope.claims.run_outcome`. Written by :func:`gradscope.claims.sweep_summary`,
+drawn by :func:`gradscope.plots.depth_sweep`.
+"""
 
 
 def empty_frame() -> pd.DataFrame:
@@ -140,13 +165,32 @@ def make_frame(rows: Iterable[Mapping[str, Any]]) -> pd.DataFrame:
     return df[list(COLUMNS)].astype(DTYPES)
 
 
-def validate_frame(df: pd.DataFrame) -> None:
-    """Checks that ``df`` has the canonical columns.
+def validate(columns: Iterable[str], *, source: str = "gradscope table", optional: Collection[str] = ()) -> None:
+    """Checks that ``columns`` hold every canonical column (extra columns are allowed).
+
+    Args:
+        columns: the column names of a DataFrame or of a parquet file.
+        source: what the table is, for the message (``"save"``, ``"gradscope.load: <path>"``).
+        optional: canonical columns that may be missing (an old file's ``role``).
 
     Raises:
-        ValueError: naming the missing or unexpected columns.
+        ValueError: naming the missing columns.
     """
-    missing = [c for c in COLUMNS if c not in df.columns]
-    extra = [c for c in df.columns if c not in COLUMNS]
-    if missing or extra:
-        raise ValueError(f"not a gradscope table: missing columns {missing}, unexpected {extra}")
+    present = set(columns)
+    missing = [c for c in COLUMNS if c not in present and c not in optional]
+    if missing:
+        raise ValueError(f"{source}: not a gradscope table, missing columns {missing}")
+
+
+def concat(parts: Iterable[pd.DataFrame]) -> pd.DataFrame:
+    """Tables stacked into one, with the canonical columns and dtypes (empty parts skipped).
+
+    Raises:
+        ValueError: a part lacks canonical columns.
+    """
+    parts = [p for p in parts if len(p)]
+    for p in parts:
+        validate(p.columns, source="concat")
+    if not parts:
+        return empty_frame()
+    return pd.concat([p[list(COLUMNS)] for p in parts], ignore_index=True).astype(DTYPES)

@@ -36,22 +36,31 @@ class MultiheadAttention(nn.Module):
     Args:
         d_model: width d.
         n_heads: number of heads; d must be divisible by it.
+        qk_norm: a LayerNorm over each head's q and k before the logits (QK-LayerNorm;
+            Dehghani et al. 2023, Wortsman et al. 2023 §3.1), modules ``q_norm``/``k_norm``.
+        eps: epsilon of those LayerNorms.
     """
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, qk_norm: bool = False, eps: float = 1e-5) -> None:
         super().__init__()
         self.n_heads = n_heads
         self.q_proj = nn.Linear(d_model, d_model)
         self.k_proj = nn.Linear(d_model, d_model)
         self.v_proj = nn.Linear(d_model, d_model)
         self.out_proj = nn.Linear(d_model, d_model)
+        if qk_norm:
+            self.q_norm = nn.LayerNorm(d_model // n_heads, eps=eps)
+            self.k_norm = nn.LayerNorm(d_model // n_heads, eps=eps)
 
     def forward(self, x: torch.Tensor, kv: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         B, T, d = x.shape
         S = kv.shape[1]
         H = self.n_heads
-        q = self.q_proj(x).view(B, T, H, d // H).transpose(1, 2)  # (B, H, T, d/H)
-        k = self.k_proj(kv).view(B, S, H, d // H).transpose(1, 2)  # (B, H, S, d/H)
+        q = self.q_proj(x).view(B, T, H, d // H)
+        k = self.k_proj(kv).view(B, S, H, d // H)
+        if "q_norm" in self._modules:  # QK-LayerNorm, per head
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)  # (B, H, T, d/H), (B, H, S, d/H)
         v = self.v_proj(kv).view(B, S, H, d // H).transpose(1, 2)
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)  # (B, H, T, d/H)
         return self.out_proj(o.transpose(1, 2).reshape(B, T, d))
@@ -60,9 +69,9 @@ class MultiheadAttention(nn.Module):
 class SelfAttention(nn.Module):
     """F = self-attention over the residual stream, masked by ``ctx.self_mask``."""
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, qk_norm: bool = False, eps: float = 1e-5) -> None:
         super().__init__()
-        self.attn = MultiheadAttention(d_model, n_heads)
+        self.attn = MultiheadAttention(d_model, n_heads, qk_norm, eps)
 
     def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
         return self.attn(h, h, ctx.self_mask)
@@ -71,9 +80,9 @@ class SelfAttention(nn.Module):
 class CrossAttention(nn.Module):
     """F = attention from the decoder stream to ``ctx.memory``."""
 
-    def __init__(self, d_model: int, n_heads: int) -> None:
+    def __init__(self, d_model: int, n_heads: int, qk_norm: bool = False, eps: float = 1e-5) -> None:
         super().__init__()
-        self.attn = MultiheadAttention(d_model, n_heads)
+        self.attn = MultiheadAttention(d_model, n_heads, qk_norm, eps)
 
     def forward(self, h: torch.Tensor, ctx: Context) -> torch.Tensor:
         return self.attn(h, ctx.memory, ctx.memory_mask)

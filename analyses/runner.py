@@ -1,0 +1,149 @@
+"""An analysis is a small protocol; :func:`run` drives every one the same way (STYLE §7).
+
+An :class:`Analysis` says what it **plans** (the runs of a preset), what it **collects**
+from each run (tidy tables), what it **concludes** from the whole table (verdicts on the
+papers' claims) and what it **draws** (one figure). :func:`run` opens a session (threads,
+device, ``--out``), stops after building each model on ``--dry-run``, and otherwise
+collects, concludes, draws and publishes the table, figure and ``CLAIMS.md``;
+:func:`entry_point` makes the ``main(argv=None)`` of ``python -m analyses.<name>``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import ClassVar
+
+import pandas as pd
+import torch
+from matplotlib.figure import Figure
+
+from analyses.cli import parse_args
+from analyses.outputs import annotate, publish, save_plain_table
+from analyses.runs import Bench, RunSpec, cap_steps, dry_run
+from gradscope import presets
+from gradscope.claims import Verdict
+from gradscope.table import concat
+from gradscope.train import resolve_device
+
+
+class Analysis:
+    """One figure of SPEC §4 at one preset.
+
+    Subclasses set :attr:`name` and define :meth:`plan`, :meth:`conclude` and :meth:`draw`;
+    the default :meth:`collect` trains each planned run (or only builds it, for an init-only
+    run), recording :attr:`quantities` at step 0 and :attr:`recordings` times during training.
+
+    Args:
+        preset: ``ci``, ``default`` or ``paper`` (or a :class:`gradscope.presets.Preset`).
+        seed: init / data / dropout seed of every run.
+        device: ``auto``, ``cpu`` or ``cuda``, for the training configs.
+        max_steps: cap on every run's training steps (smoke tests), or None.
+    """
+
+    name: ClassVar[str]
+    quantities: ClassVar[tuple[str, ...]] = ()
+    recordings: ClassVar[int] = 0
+
+    def __init__(self, preset: str | presets.Preset, *, seed: int = 0, device: str = "auto",
+                 max_steps: int | None = None) -> None:
+        self.preset = presets.get(preset) if isinstance(preset, str) else preset
+        self.seed, self.device, self.max_steps = seed, device, max_steps
+
+    # -- the protocol ------------------------------------------------------------------------
+    def plan(self) -> list[RunSpec]:
+        """The runs, in order (their names are the table's ``run`` column)."""
+        raise NotImplementedError
+
+    def collect(self, spec: RunSpec, bench: Bench) -> list[pd.DataFrame]:
+        """The tables of one run."""
+        steps = spec.train.steps if spec.train is not None else 0
+        every = max(1, steps // self.recordings) if self.recordings and steps else 0
+        return [bench.train(spec, quantities=self.quantities_for(spec), record_every=every).table]
+
+    def conclude(self, table: pd.DataFrame) -> list[Verdict]:
+        """The verdicts on the papers' claims, each tagged with its setting."""
+        raise NotImplementedError
+
+    def draw(self, table: pd.DataFrame, verdicts: Sequence[Verdict]) -> Figure:
+        """The figure, with the preset, recipe and verdicts written on it."""
+        raise NotImplementedError
+
+    def extra_tables(self, table: pd.DataFrame) -> dict[str, pd.DataFrame]:
+        """Further tables to save beside the tidy one, by file name (default: none)."""
+        return {}
+
+    # -- helpers for subclasses ---------------------------------------------------------------
+    def quantities_for(self, spec: RunSpec) -> tuple[str, ...]:
+        """What the default :meth:`collect` records of ``spec`` (default: :attr:`quantities`)."""
+        return self.quantities
+
+    def trained(self, run: str, model, steps: int, **recipe) -> RunSpec:
+        """A run trained ``steps`` steps with the preset's recipe (``recipe``: lr, warmup,
+        schedule overrides), capped at ``max_steps``."""
+        config = self.preset.train(steps, seed=self.seed, device=self.device, **recipe)
+        return cap_steps(RunSpec(run, model, config), self.max_steps)
+
+    def annotate(self, fig: Figure, title: str, lines: Sequence[str], verdicts: Sequence[Verdict]) -> Figure:
+        """:func:`analyses.outputs.annotate` with the preset's line first."""
+        annotate(fig, title, [self.preset.describe(), *lines], verdicts)
+        return fig
+
+
+@contextlib.contextmanager
+def session(args: argparse.Namespace, name: str) -> Iterator[torch.device]:
+    """Sets torch's CPU threads (restored on exit), resolves the device, creates ``--out``
+    and prints the analysis's wall time."""
+    device = resolve_device(args.device)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(args.threads)
+    try:
+        if not args.dry_run:
+            args.out.mkdir(parents=True, exist_ok=True)
+        start = time.perf_counter()
+        yield device
+        print(f"{name}: {time.perf_counter() - start:.1f} s (preset {args.preset}, device {device})", flush=True)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
+    """Runs the analysis ``kind`` with the command line ``args``.
+
+    Returns:
+        The verdicts (empty on a dry run).
+    """
+    analysis = kind(args.preset, seed=args.seed, device=args.device, max_steps=args.max_steps)
+    specs = analysis.plan()
+    with session(args, kind.name) as device:
+        task = analysis.preset.task(args.seed)
+        if args.dry_run:
+            dry_run(specs, task, device)
+            return []
+        bench = Bench(task=task, device=device, batch_size=analysis.preset.batch_size, seed=args.seed,
+                      progress=not args.no_progress)
+        table = concat(part for spec in specs for part in analysis.collect(spec, bench))
+        verdicts = analysis.conclude(table)
+        for name, extra in analysis.extra_tables(table).items():
+            save_plain_table(extra, args.out, name)
+        publish(table, analysis.draw(table, verdicts), verdicts, args.out, kind.name)
+    return verdicts
+
+
+def entry_point(description: str, target: type[Analysis] | Callable[[argparse.Namespace], object],
+                name: str | None = None) -> Callable[..., int]:
+    """The ``main(argv=None)`` of ``python -m analyses.<name>``: parse the shared flags, run
+    ``target`` (an :class:`Analysis` class, or a function of the arguments), exit 0."""
+    if isinstance(target, type) and issubclass(target, Analysis):
+        name, kind = target.name, target
+        target = lambda args: run(kind, args)  # noqa: E731
+    assert name is not None, "name= is needed for a function target"
+
+    def main(argv: Sequence[str] | None = None) -> int:
+        target(parse_args(f"python -m analyses.{name}", description, argv))
+        return 0
+
+    main.__doc__ = f"Runs ``python -m analyses.{name}`` with ``argv`` (default: sys.argv)."
+    return main

@@ -1,0 +1,157 @@
+"""The quantity classes of the signals that precede instability (the instability issue):
+``attn_logit_max``, ``attn_entropy``, ``output_logit_log_z`` (with ``output_logit_log_z_max``),
+``sublayer_out_rms`` and ``grad_rms_over_eps``. Their capture is
+:mod:`gradscope.recorder.signals`; they register in :data:`gradscope.recorder.quantities.REGISTRY`.
+
+Each gives one row per step (``micro_step`` -1): the forward signals are accumulated over
+the step's micro-batches (max of the maxima, mean of the means). Per-head rows carry the
+head index (0-based) in ``layer_j``; the row with ``layer_j`` <NA> is the layer's (max over
+heads for the logit, mean over heads for the entropy).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from gradscope.recorder.layout import Layout
+
+
+def position(layout: Layout, name: str) -> tuple[str, int | None]:
+    """(stack, layer) of a module name: that of the longest parameter group containing it."""
+    best, size = ("", None), -1
+    for group, (stack, layer, _) in layout.param_groups.items():
+        if group and (name == group or name.startswith(f"{group}.")) and len(group) > size:
+            best, size = (stack, layer), len(group)
+    return best
+
+
+class _Signal:
+    """Shared parts (the base class of quantities is imported lazily to avoid a cycle)."""
+
+    name = ""
+    slow = False
+    logged = False
+    captures: frozenset[str] = frozenset()
+
+    def rows(self, data):
+        return [r for r in data.device.get(self.name, []) if r[1] == r[1]]  # NaN: nothing seen this step
+
+
+class AttnLogitMax(_Signal):
+    """max over sampled queries and allowed keys of q·k·scale, per head and per layer
+    (Wortsman et al. 2023 §3.1; Dehghani et al. 2023)."""
+
+    name, captures, which = "attn_logit_max", frozenset({"attention"}), 0
+
+    def collect(self, rec, buf):
+        signals = rec._capture.signals
+        _warn_unrecognised(rec, signals, self.name)
+        for a, values in zip(signals.attention, signals.attention_values()):
+            heads = values[self.which]
+            _per_head(buf, rec.layout, a.name, self.name, heads, heads.amax() if self.which == 0 else heads.mean())
+
+
+class AttnEntropy(AttnLogitMax):
+    """Mean over sampled queries of the attention distribution's entropy (nats), per head
+    and per layer (Zhai et al. 2023: entropy collapse)."""
+
+    name, which = "attn_entropy", 1
+
+
+class OutputLogitLogZ(_Signal):
+    """log Z = logsumexp of the output logits per token, the mean over the step's tokens
+    (Wortsman et al. 2023 §3.2: z-loss keeps log Z near 0). The model's output is taken for
+    logits when its last dimension is the size of one of its embedding tables or its
+    ``config.vocab_size`` (HF outputs: ``.logits``)."""
+
+    name, captures, which = "output_logit_log_z", frozenset({"logits"}), 0
+
+    def collect(self, rec, buf):
+        signals = rec._capture.signals
+        if not signals.vocab and "logits" not in rec._warned:
+            rec._warned.add("logits")
+            warnings.warn(f"gradscope: {self.name}: the model has no embedding table or config.vocab_size, "
+                          "so its output is not taken for logits: no rows", stacklevel=5)
+        buf.add((-1, "", None, "", self.name, None, ""), signals.logz_values()[self.which])
+
+
+class OutputLogitLogZMax(OutputLogitLogZ):
+    """The max over the step's tokens of log Z (see :class:`OutputLogitLogZ`)."""
+
+    name, which = "output_logit_log_z_max", 1
+
+
+class SublayerOutRms(_Signal):
+    """RMS of each sub-layer (residual branch) output, sqrt(mean h²) over the step's
+    tokens and features (Rybakov et al. 2024: output norms grow before divergence)."""
+
+    name, captures = "sublayer_out_rms", frozenset({"rms"})
+
+    def collect(self, rec, buf):
+        subs = rec._capture.signals.sublayers
+        if subs:
+            keys = [(-1, *position(rec.layout, n), n, self.name, None, "branch") for n, _ in subs]
+            buf.add_many(keys, rec._capture.signals.rms_values()[: len(subs)])
+
+
+class GradRmsOverEps(_Signal):
+    """Per parameter group, the gradient RMS ‖g‖/√n divided by the optimizer's ε (Wortsman
+    et al. 2023 §3.4; Everett et al. 2024): near or below 1, Adam's update shrinks."""
+
+    name = "grad_rms_over_eps"
+
+    def collect(self, rec, buf):
+        eps = _group_eps(rec)
+        if eps is None:
+            if self.name not in rec._warned:
+                rec._warned.add(self.name)
+                warnings.warn("gradscope: grad_rms_over_eps needs the optimizer (Recorder(optimizer=...)) and an 'eps' "
+                              "in its param groups (Adam, AdamW, ...): no rows", stacklevel=5)
+            return
+        norms = group_grad_norms(rec, buf)
+        if norms is None:
+            return
+        numel = rec.groups.membership(norms.device) @ torch.tensor(
+            [float(p.numel()) for p in rec.groups.params], device=norms.device)
+        keys = [(-1, s, lay, g, self.name, None, "") for g, (s, lay) in zip(rec.groups.groups, rec.groups.positions)]
+        buf.add_many(keys, norms / numel.clamp_min(1).sqrt() / torch.tensor(eps, device=norms.device))
+
+
+def group_grad_norms(rec, buf) -> torch.Tensor | None:
+    """‖grad‖ per parameter group, computed once per step (``param_grad_norm`` shares it)."""
+    cache = buf.__dict__.setdefault("_cache", {})
+    if "group_grad_norms" not in cache:
+        cache["group_grad_norms"] = rec.groups.group_norms(rec.groups.grads())
+    return cache["group_grad_norms"]
+
+
+def _group_eps(rec) -> list[float] | None:
+    """Adam's ε of each parameter group's first parameter, or None without an optimizer with ε."""
+    opt = rec.optimizer
+    if opt is None or not all("eps" in g for g in opt.param_groups):
+        return None
+    eps = {id(p): float(g["eps"]) for g in opt.param_groups for p in g["params"]}
+    index = {n: i for i, n in enumerate(rec.groups.names)}
+    params = rec.groups.params
+    out = []
+    for g in rec.groups.groups:
+        members = rec.layout.param_groups[g][2]
+        first = next((params[index[m]] for m in members if m in index), None)
+        out.append(eps.get(id(first), next(iter(eps.values()), 1e-8)))
+    return out
+
+
+def _per_head(buf, layout: Layout, site: str, quantity: str, heads: torch.Tensor, layer: torch.Tensor) -> None:
+    stack, pos = position(layout, site)
+    keys = [(-1, stack, pos, site, quantity, h, "") for h in range(heads.numel())]
+    buf.add_many([*keys, (-1, stack, pos, site, quantity, None, "")], torch.cat([heads.reshape(-1), layer.reshape(1)]))
+
+
+def _warn_unrecognised(rec, signals, quantity: str) -> None:
+    if not signals.attention and "attention" not in rec._warned:
+        rec._warned.add("attention")
+        warnings.warn(f"gradscope: {quantity}: no attention module recognised in {type(rec.model).__name__} (q_proj/k_proj "
+                      "with a head count, or GPT-2's c_attn; see gradscope.recorder.signals): no attention rows",
+                      stacklevel=5)

@@ -1,0 +1,334 @@
+"""Forward signals that precede instability: attention logits and entropy, output-logit
+log-partition, sub-layer output RMS (the instability issue; SPEC §3 "Beyond the seeds").
+
+- ``attn_logit_max``: max over allowed positions of the pre-softmax q·k·scale per head
+  (Wortsman et al. 2023 §3.1: attention-logit growth; Dehghani et al. 2023).
+- ``attn_entropy``: mean over queries of the softmax's entropy per head (Zhai et al. 2023).
+- ``output_logit_log_z``: log Z = logsumexp of the output logits per token, mean (and
+  ``output_logit_log_z_max``, max) over tokens (Wortsman et al. 2023 §3.2, z-loss).
+- ``sublayer_out_rms``: RMS of each sub-layer (branch) output (Rybakov et al. 2024).
+
+Like the rest of the capture these are hooks installed once and traced by Dynamo: each
+writes into a small device buffer in place (running max, sum and count over the step's
+forwards and micro-batches), so nothing syncs with the host before the step's one transfer
+and nothing is re-run. q and k are taken from hooks on the modules that produce them
+(``q_proj``/``k_proj``, or ``q_norm``/``k_norm`` when the attention normalises them; GPT-2's
+fused ``c_attn``), never recomputed.
+
+Recognised attention modules (by what they hold, not by class name):
+
+- separate ``q_proj``/``k_proj`` linear projections with a head count (``n_heads``,
+  ``num_heads`` or ``config.num_attention_heads``): the zoo, HF Llama, Mistral, Qwen2/3,
+  Gemma. Rotary embeddings are applied when the module is called with
+  ``position_embeddings=(cos, sin)`` covering the whole head (HF's ``rotate_half`` form);
+  grouped-query heads are expanded;
+- a fused ``c_attn`` with ``split_size`` and ``num_heads`` (HF GPT-2 self-attention).
+
+Not recognised (no attention rows; the Recorder warns when the quantity was asked for):
+fused ``query_key_value`` projections (GPT-NeoX, Falcon), partial rotary, x-transformers
+(rotary applied inside ``Attend``), ``nn.MultiheadAttention`` (q and k never leave its C++
+kernel), cross-attention in GPT-2 and T5's relative-bias attention.
+
+Sampling: the logits of every batch row, head and allowed key are taken for at most
+``QUERIES`` queries per sequence, evenly spaced (all of them when T ≤ ``QUERIES``), so the
+cost is O(B·H·min(T, QUERIES)·S·d_head) on recorded steps rather than O(B·H·T²·d_head).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from gradscope.recorder.layout import Layout, is_norm
+from gradscope.recorder.taps import first_tensor
+
+QUERIES = 64  # queries sampled per sequence for the attention signals
+
+
+def _in_backward() -> bool:
+    return not torch.compiler.is_compiling() and torch._C._current_autograd_node() is not None
+
+
+@dataclass
+class Attention:
+    """One recognised attention module and how to read its q and k."""
+
+    name: str
+    module: nn.Module
+    q_src: nn.Module
+    k_src: nn.Module
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    causal: bool  # attends causally when called without a mask
+    fused: bool  # GPT-2: q, k (and v) come out of one projection
+    params: tuple[str, ...]  # names of its forward's parameters, to find the mask by name or position
+
+
+def _heads(m: nn.Module) -> int | None:
+    for attr in ("n_heads", "num_heads", "num_attention_heads"):
+        if isinstance(getattr(m, attr, None), int):
+            return getattr(m, attr)
+    return getattr(getattr(m, "config", None), "num_attention_heads", None)
+
+
+def find_attention(model: nn.Module) -> list[Attention]:
+    """Every attention module of ``model`` whose q and k can be read (see the module docstring)."""
+    found = []
+    for name, m in model.named_modules():
+        params = tuple(inspect.signature(m.forward).parameters)
+        q, k = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
+        if isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and _heads(m):
+            heads = _heads(m)
+            config = getattr(m, "config", None)
+            kv = getattr(m, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None) or heads
+            dim = getattr(m, "head_dim", None) or q.out_features // heads
+            scale = getattr(m, "scaling", None)
+            qn, kn = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
+            found.append(Attention(
+                name, m, qn if isinstance(qn, nn.Module) else q, kn if isinstance(kn, nn.Module) else k, heads, kv,
+                dim, float(scale) if isinstance(scale, (int, float)) else dim ** -0.5,
+                bool(getattr(m, "is_causal", False)), False, params))
+        elif isinstance(getattr(m, "c_attn", None), nn.Module) and isinstance(getattr(m, "split_size", None), int) \
+                and isinstance(getattr(m, "num_heads", None), int) and not getattr(m, "is_cross_attention", False):
+            dim = m.split_size // m.num_heads
+            scale = dim ** -0.5 if getattr(m, "scale_attn_weights", True) else 1.0
+            if getattr(m, "scale_attn_by_inverse_layer_idx", False):
+                scale /= float(getattr(m, "layer_idx", 0) + 1)
+            found.append(Attention(name, m, m.c_attn, m.c_attn, m.num_heads, m.num_heads, dim, scale, True, True, params))
+    return found
+
+
+def find_sublayers(model: nn.Module, layout: Layout) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every sub-layer whose output is a residual branch: the zoo's
+    ``branch`` sites; in a foreign model's block, each child that holds parameters, has
+    children of its own and is not a norm (HF ``self_attn``/``mlp``), or the block itself
+    when it has none (x-transformers keeps attention and feed-forward as separate blocks)."""
+    if not layout.foreign:
+        return [(p.name, p.module) for p in layout.probes if p.role == "branch"]
+    out, seen = [], set()
+    for p in layout.probes:
+        if p.role != "layer_out" or id(p.module) in seen:
+            continue
+        seen.add(id(p.module))
+        prefix = p.name[: -len(".out")]
+        inner = [(f"{prefix}.{n}", c) for n, c in p.module.named_children()
+                 if not is_norm(c, n) and next(c.parameters(), None) is not None
+                 and any(next(g.parameters(), None) is not None for g in c.children())]
+        out += inner or [(prefix, p.module)]
+    return out
+
+
+def vocab_sizes(model: nn.Module) -> set[int]:
+    """Widths an output must have to be taken for logits: the model's embedding tables and
+    ``config.vocab_size``."""
+    sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    return sizes | ({vocab} if isinstance(vocab, int) else set())
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+class Signals:
+    """Hooks and device buffers of the forward signals; owned by the Capture.
+
+    Args:
+        model: the recorded model.
+        layout: its layout (for sub-layers).
+        is_on: whether a recorded step is open (the Capture's flag).
+    """
+
+    def __init__(self, model: nn.Module, layout: Layout, is_on) -> None:
+        self.model, self.is_on = model, is_on
+        self.attention = find_attention(model)
+        self.sublayers = find_sublayers(model, layout)
+        self.vocab = vocab_sizes(model)
+        self.want_attention = self.want_rms = self.want_logits = False
+        self.attn: list[torch.Tensor] = []  # per module (H, 3): running max logit, entropy sum, query count
+        self.rms: torch.Tensor | None = None  # (n_sublayers, 2): Σ h², numel
+        self.logz: torch.Tensor | None = None  # (3,): Σ log Z, tokens, max log Z
+        self._calls: dict[int, dict] = {}  # attention index -> {"mask", "rope", "q", "k"} of the call in progress
+        self.handles: list = []
+        self.device: torch.device | None = None
+
+    def install(self, *, attention: bool, rms: bool, logits: bool) -> None:
+        """Registers the hooks of the signals a Recorder may record (once per Recorder), so
+        a Recorder without them pays nothing for them."""
+        for i, a in enumerate(self.attention if attention else ()):
+            self.handles.append(a.module.register_forward_pre_hook(self._attn_pre(i), with_kwargs=True))
+            if a.fused:
+                self.handles.append(a.q_src.register_forward_hook(self._qk(i, "qkv")))
+            else:
+                self.handles.append(a.q_src.register_forward_hook(self._qk(i, "q")))
+                self.handles.append(a.k_src.register_forward_hook(self._qk(i, "k")))
+            self.handles.append(a.module.register_forward_hook(self._attn_post(i)))
+        for j, (_, m) in enumerate(self.sublayers if rms else ()):
+            self.handles.append(m.register_forward_hook(self._sublayer(j)))
+        if logits:
+            self.handles.append(self.model.register_forward_hook(self._output))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.attn, self.rms, self.logz, self._calls = [], None, None, {}
+
+    def begin(self, device: torch.device, *, attention: bool, rms: bool, logits: bool) -> None:
+        """Arms the hooks for one recorded step and resets the buffers."""
+        self.want_attention, self.want_rms, self.want_logits = attention, rms, logits
+        if self.device != device or self.rms is None:
+            self.device = device
+            self.attn = [torch.zeros(a.heads, 3, device=device) for a in self.attention]
+            self.rms = torch.zeros(max(len(self.sublayers), 1), 2, device=device)
+            self.logz = torch.zeros(3, device=device)
+        for buf in self.attn:
+            buf.zero_()
+            buf[:, 0] = -math.inf
+        self.rms.zero_()
+        self.logz.zero_()
+        self.logz[2] = -math.inf
+        self._calls = {}
+
+    def end(self) -> None:
+        self.want_attention = self.want_rms = self.want_logits = False
+        self._calls = {}
+
+    # -- hooks ------------------------------------------------------------------------------
+    def _attn_pre(self, i: int):
+        a = self.attention[i]
+
+        def hook(module, args, kwargs):
+            if not (self.want_attention and self.is_on()) or _in_backward():
+                return None
+            named = dict(zip(a.params, args))
+            named.update(kwargs)
+            mask = named.get("attention_mask", named.get("mask", named.get("attn_mask")))
+            rope = named.get("position_embeddings")
+            self._calls[i] = {"mask": mask if isinstance(mask, torch.Tensor) else None,
+                              "rope": rope if isinstance(rope, (tuple, list)) and len(rope) == 2 else None}
+            return None
+
+        return hook
+
+    def _qk(self, i: int, which: str):
+        def hook(module, args, output):
+            call = self._calls.get(i)
+            if call is not None and isinstance(output, torch.Tensor):
+                call[which] = output.detach()
+            return None
+
+        return hook
+
+    def _attn_post(self, i: int):
+        a = self.attention[i]
+
+        def hook(module, args, output):
+            call = self._calls.pop(i, None)
+            if call is None:
+                return None
+            if a.fused and "qkv" in call:
+                q, k, _ = call["qkv"].split(a.heads * a.head_dim, dim=-1)
+            elif "q" in call and "k" in call:
+                q, k = call["q"], call["k"]
+            else:
+                return None
+            self._attention_stats(a, self.attn[i], q, k, call["mask"], call["rope"])
+            return None
+
+        return hook
+
+    def _attention_stats(self, a: Attention, buf: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+                         mask: torch.Tensor | None, rope) -> None:
+        B, T = q.shape[0], q.shape[1]
+        S = k.shape[1]
+        q = q.reshape(B, T, a.heads, a.head_dim)
+        k = k.reshape(B, S, a.kv_heads, a.head_dim)
+        n = min(T, QUERIES)
+        idx = torch.arange(n, device=q.device) * T // n  # evenly spaced queries
+        q = q[:, idx].transpose(1, 2).float()  # (B, H, n, dh)
+        k = k.transpose(1, 2).float()  # (B, Hkv, S, dh)
+        if rope is not None:
+            cos, sin = rope
+            if cos.shape[-1] != a.head_dim or cos.shape[-2] != S:
+                return  # partial rotary or another layout: not recognised
+            cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # (B, 1, T, dh)
+            q = q * cos[:, :, idx] + _rotate_half(q) * sin[:, :, idx]
+            k = k * cos + _rotate_half(k) * sin
+        if a.kv_heads != a.heads:
+            k = k.repeat_interleave(a.heads // a.kv_heads, dim=1)
+        logits = (q @ k.transpose(-1, -2)) * a.scale  # (B, H, n, S)
+        if mask is None:
+            if a.causal:
+                allowed = torch.arange(S, device=q.device) <= (idx + (S - T)).unsqueeze(-1)  # (n, S)
+            else:
+                allowed = torch.ones(n, S, dtype=torch.bool, device=q.device)
+        else:
+            m = mask[..., idx, :] if mask.shape[-2] == T else mask
+            allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        allowed = allowed.expand(logits.shape)
+        masked = logits.masked_fill(~allowed, -math.inf)
+        top = masked.amax(dim=(0, 2, 3))  # (H,)
+        valid = allowed.any(dim=-1)  # (B, H, n): queries with at least one allowed key
+        p = torch.softmax(masked, dim=-1).nan_to_num(0.0)
+        entropy = torch.special.entr(p).sum(dim=-1)  # (B, H, n)
+        buf[:, 0] = torch.maximum(buf[:, 0], top)
+        buf[:, 1] += (entropy * valid).sum(dim=(0, 2))
+        buf[:, 2] += valid.sum(dim=(0, 2)).float()
+
+    def _sublayer(self, j: int):
+        def hook(module, args, output):
+            if not (self.want_rms and self.is_on()) or _in_backward():
+                return None
+            t = first_tensor(output)
+            if t is None or not t.is_floating_point():
+                return None
+            t = t.detach()
+            self.rms[j, 0] += t.float().square().sum()
+            self.rms[j, 1] += t.numel()
+            return None
+
+        return hook
+
+    def _output(self, module, args, output):
+        if not (self.want_logits and self.is_on()) or _in_backward():
+            return None
+        t = getattr(output, "logits", None)
+        t = t if isinstance(t, torch.Tensor) else first_tensor(output)
+        if t is None or not t.is_floating_point() or t.shape[-1] not in self.vocab:
+            return None
+        log_z = torch.logsumexp(t.detach().float(), dim=-1)
+        self.logz[0] += log_z.sum()
+        self.logz[1] += log_z.numel()
+        self.logz[2] = torch.maximum(self.logz[2], log_z.max())
+        return None
+
+    # -- end of step ------------------------------------------------------------------------
+    def attention_values(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per attention module: (max logit per head, mean entropy per head); NaN where no
+        query was seen this step."""
+        out = []
+        for buf in self.attn:
+            seen = buf[:, 2] > 0
+            nan = torch.full_like(buf[:, 0], math.nan)
+            out.append((torch.where(seen, buf[:, 0], nan), torch.where(seen, buf[:, 1] / buf[:, 2].clamp_min(1), nan)))
+        return out
+
+    def rms_values(self) -> torch.Tensor:
+        """RMS per sub-layer over the step's forwards (NaN where none was seen)."""
+        return torch.where(self.rms[:, 1] > 0, (self.rms[:, 0] / self.rms[:, 1].clamp_min(1)).sqrt(),
+                           torch.full_like(self.rms[:, 0], math.nan))
+
+    def logz_values(self) -> torch.Tensor:
+        """(mean log Z, max log Z) over the step's tokens (NaN when no logits were seen)."""
+        seen = self.logz[1] > 0
+        nan = torch.tensor(math.nan, device=self.logz.device)
+        return torch.stack([torch.where(seen, self.logz[0] / self.logz[1].clamp_min(1), nan),
+                            torch.where(seen, self.logz[2], nan)])

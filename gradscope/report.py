@@ -1,0 +1,183 @@
+"""``python -m gradscope report RUN_DIR --out DIR``: figures and a markdown summary of a run.
+
+Reads a run streamed with ``Recorder(log_dir=RUN_DIR)`` (or a folder of runs, or a saved
+table) without loading it whole: only the rows the report needs are read, file by file,
+behind a progress bar (:func:`gradscope.sinks.parquet.read`). Writes, per run:
+
+- ``<run>_heatmap.png``: ``act_grad_norm`` at every layer output × step, log colour, with
+  each step's first non-finite site starred (:func:`gradscope.plots.over_time.layer_heatmap`);
+- ``<run>_series.png``: the bottom, middle and top layer of each stack over steps, spikes
+  marked (:func:`gradscope.plots.over_time.layer_series`);
+- ``summary.md``: vanishing or exploding stacks at the first and last step (the scan's rule,
+  :mod:`gradscope.scan`: bottom/top layer-output gradient below 0.1 or above 10), spikes by
+  site, and the first non-finite site.
+
+Spikes are the run's recorded ``spike`` rows when it has any, else :func:`find_spikes` on
+the layer-output series read here (the same rule).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pyarrow.dataset as ds
+
+from gradscope.recorder.spike import SIGMAS, WINDOW, find_spikes
+from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING
+from gradscope.sinks.parquet import read
+
+READ_COLUMNS = ["run", "variant", "step", "micro_step", "rank", "stack", "layer", "site", "quantity", "value", "reduction", "role"]
+LAYER_ROLES = ["layer_out", "embed"]
+
+
+def read_run(path: str | Path, *, progress: bool = True) -> pd.DataFrame:
+    """The rows a report needs: layer-output and embedding ``act_grad_norm``, ``spike``,
+    ``loss`` (accumulated rows) and every ``nonfinite`` / ``nonfinite_grad`` row."""
+    q, f = ds.field("quantity"), ds.field
+    wanted = (((q == "act_grad_norm") & f("role").isin(LAYER_ROLES)) | q.isin(["spike", "loss"])) & (f("micro_step") == -1)
+    return read(path, columns=READ_COLUMNS, filter=wanted | q.isin(["nonfinite", "nonfinite_grad"]), progress=progress)
+
+
+def decay_lines(rows: pd.DataFrame, step: int) -> list[str]:
+    """One line per stack: bottom/top layer-output gradient at ``step`` and the scan's verdict."""
+    at = rows[(rows.step == step) & (rows.quantity == "act_grad_norm") & (rows.role == "layer_out")]
+    lines = []
+    for stack, group in at.groupby("stack", sort=False):
+        group = group.sort_values("layer")
+        top, bottom = group.value.iloc[-1], group.value.iloc[0]
+        ratio = bottom / top if top > 0 else math.inf
+        kind = ("**vanishing** toward the bottom" if ratio < DECAY_VANISHING else
+                "**exploding** (growing toward the bottom)" if ratio > DECAY_EXPLODING else "healthy (within 10× top to bottom)")
+        lines.append(f"- step {step}, {stack or 'blocks'}: bottom/top = {ratio:.3g} → {kind}")
+    return lines
+
+
+def spike_table(spikes: pd.DataFrame, limit: int = 15) -> list[str]:
+    """Markdown rows: spikes by site, most first."""
+    if spikes.empty:
+        return ["No spikes."]
+    by = spikes.groupby("site", sort=False).agg(spikes=("step", "size"), first=("step", "min"), z=("value", "max"),
+                                                role=("role", "first"))
+    by = by.sort_values(["spikes", "first"], ascending=[False, True])
+    out = ["| site | series | spikes | first step | largest z |", "|---|---|---|---|---|"]
+    for site, r in by.head(limit).iterrows():
+        series = "act_grad_norm" if r.role else "param_grad_norm"
+        out.append(f"| `{site or 'total'}` | {series} | {r.spikes} | {r['first']} | {r.z:.3g} |")
+    if len(by) > limit:
+        out.append(f"\n… and {len(by) - limit} more sites ({int(by.spikes.sum())} spikes in all).")
+    return out
+
+
+def first_nonfinite(rows: pd.DataFrame) -> str:
+    """The first step with a NaN/Inf and where it appeared first."""
+    bad = rows[rows.quantity.isin(["nonfinite", "nonfinite_grad"])]
+    if bad.empty:
+        return "None: every recorded value was finite."
+    step = int(bad.step.min())
+    first = bad[bad.step == step].assign(bwd=lambda d: d.quantity != "nonfinite").sort_values(["bwd", "micro_step", "value"]).iloc[0]
+    where = "forward activation" if first.quantity == "nonfinite" else "gradient (no forward value was non-finite)"
+    return f"Step {step}: first at `{first.site}` ({where}; {len(bad[bad.step == step])} non-finite sites that step)."
+
+
+def report_run(rows: pd.DataFrame, out: Path, name: str, max_bins: int = 500) -> list[str]:
+    """Figures and summary lines of one run (one rank). Returns the markdown section."""
+    import matplotlib.pyplot as plt
+
+    from gradscope.io import atomic_write
+    from gradscope.plots.over_time import layer_heatmap, layer_series
+
+    recorded = rows[rows.quantity == "spike"]
+    layer_rows = rows[rows.quantity == "act_grad_norm"]
+    spikes = recorded if not recorded.empty else find_spikes(layer_rows)
+    source = "recorded `spike` rows" if not recorded.empty else "computed here from the layer-output series"
+    outs = layer_rows[layer_rows.role == "layer_out"]
+    variant = rows.variant.dropna().iloc[0] if rows.variant.notna().any() else "?"
+    lines = [f"## run `{name}` ({variant})", ""]
+    if outs.empty:
+        return lines + ["No layer-output `act_grad_norm` rows: nothing to draw.", ""]
+    steps = outs.step.unique()
+    lines += [f"{len(steps)} recorded steps, {int(steps.min())}–{int(steps.max())}.", "",
+              "### Gradient flow (the scan's rule: bottom/top layer-output ‖∂L/∂y‖ "
+              f"below {DECAY_VANISHING} vanishing, above {DECAY_EXPLODING} exploding)", ""]
+    lines += decay_lines(outs, int(steps.min())) + decay_lines(outs, int(steps.max())) + [""]
+    lines += [f"### Spikes (> {SIGMAS:g}σ above the mean of the site's previous {WINDOW} values; {source})", ""]
+    lines += spike_table(spikes) + ["", "### First non-finite value", "", first_nonfinite(rows), ""]
+    figures = []
+    for kind, draw, size in (("heatmap", lambda ax: layer_heatmap(rows, max_bins=max_bins, ax=ax, title=f"run {name}"), (10, 5)),
+                             ("series", lambda ax: layer_series(rows, spikes=spikes, ax=ax, title=f"run {name}"), (10, 4.5))):
+        fig, ax = plt.subplots(figsize=size)
+        draw(ax)
+        fig.tight_layout()
+        path = out / f"{_safe(name)}_{kind}.png"
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+        plt.close(fig)
+        figures.append(f"![{kind}]({path.name})")
+    return lines + ["### Figures", ""] + figures + [""]
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name) or "run"
+
+
+def report(path: str | Path, out: str | Path, *, progress: bool = True, max_bins: int = 500) -> Path:
+    """Writes the report of the run(s) at ``path`` into ``out``; returns the summary's path.
+
+    Raises:
+        FileNotFoundError: nothing to read at ``path``.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from gradscope.io import atomic_write
+
+    t0 = time.perf_counter()
+    rows = read_run(path, progress=progress)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    lines = [f"# gradscope report: `{path}`", ""]
+    for name, run_rows in rows.groupby("run", sort=True):
+        rank = int(run_rows["rank"].min())
+        note = [f"(rank {rank} of ranks {sorted(run_rows['rank'].unique().tolist())})", ""] if run_rows["rank"].nunique() > 1 else []
+        lines += report_run(run_rows[run_rows["rank"] == rank], out, str(name), max_bins=max_bins) + note
+    lines.append(f"_{len(rows):,} rows read in {time.perf_counter() - t0:.1f} s._")
+    summary = out / "summary.md"
+    atomic_write(summary, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    return summary
+
+
+def add_parser(sub) -> argparse.ArgumentParser:
+    """Adds the ``report`` command to ``python -m gradscope``'s sub-parsers."""
+    p = sub.add_parser("report", help="figures and a markdown summary of a run streamed with log_dir=",
+                       description="Reads a run written by Recorder(log_dir=RUN_DIR) (or a folder of runs) and writes a "
+                       "layer x step heatmap, a few layers' series with spikes marked, and summary.md.")
+    p.add_argument("run_dir", type=Path, help="the run's folder (Recorder log_dir), a folder of runs, or a .parquet file")
+    p.add_argument("--out", type=Path, default=None, help="folder for the PNGs and summary.md (default: RUN_DIR/report)")
+    p.add_argument("--max-bins", type=int, default=500, help="most step columns in the heatmap (default: 500)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar while reading")
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs the ``report`` command."""
+    if not args.run_dir.exists():
+        raise SystemExit(f"gradscope report: no such file or folder: {args.run_dir}")
+    out = args.out or args.run_dir / "report"
+    summary = report(args.run_dir, out, progress=not args.no_progress, max_bins=args.max_bins)
+    print(summary.read_text())
+    print(f"wrote {summary} and its figures")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m gradscope.report")
+    args = add_parser(parser.add_subparsers(dest="command", required=True)).parse_args(argv)
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

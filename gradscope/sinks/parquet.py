@@ -1,0 +1,215 @@
+"""A run on disk: an append-only parquet dataset, and reading one or many back.
+
+``Recorder(model, log_dir="runs/exp1", flush_every=100)`` keeps at most ``flush_every``
+recorded steps in memory; then they become one *part file*
+``runs/exp1/part-r<rank>-<first step>-<last step>-<random>.parquet``, written to a hidden
+temporary file, fsync'ed and renamed, so a reader (or a run killed at any moment) sees
+whole part files or none. Parts are never rewritten. Every part has the SPEC §3 columns with
+the pyarrow types of :data:`SCHEMA` (those of the in-memory ``rec.frame()``) and the
+``gradscope.format`` tag of :mod:`gradscope.io`.
+
+Reading: :func:`read` (``gradscope.load(directory)``) reads every part below a folder, so
+``gradscope.load("runs/")`` gives all runs in one frame, told apart by the ``run`` column.
+A run larger than memory is queried with :func:`open_dataset`, a ``pyarrow.dataset``
+whose filters and column choices are applied file by file (row groups are skipped on their
+statistics), or with ``read(path, columns=..., filter=...)``, which does the same with a
+progress bar.
+
+Why pyarrow datasets rather than DuckDB: pyarrow is already a dependency (parquet is how
+gradscope writes), its dataset reads exactly the files written here with the same types,
+and the queries a run needs (choose quantities and sites, then a group-by over a few
+million rows) are a filter and a projection pushed into the scan. DuckDB would add a
+second engine, SQL strings and a second type mapping for no query we need; it still reads
+these files as they are (``duckdb.sql("select ... from 'runs/*/*.parquet'")``).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import secrets
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+from gradscope.recorder.store import RowStore
+from gradscope.sinks.base import Key, RunInfo, Sink
+from gradscope.table import COLUMNS, DTYPES, empty_frame
+
+SCHEMA: pa.Schema = pa.Schema.from_pandas(empty_frame(), preserve_index=False).remove_metadata()
+"""The pyarrow schema of every part file: the SPEC §3 columns with the types pandas gives
+``rec.frame()`` (strings, int64, nullable int64 for ``layer``/``layer_j``, float64)."""
+
+
+class ParquetSink(Sink):
+    """Streams a run's rows to an append-only parquet dataset in ``log_dir``.
+
+    Args:
+        log_dir: the run's folder (created). Several runs may share a parent folder;
+            several ranks, or a resumed run, may share ``log_dir`` (part names never clash).
+        flush_every: recorded steps kept in memory before they are written as one part
+            file (default 100). A run killed without warning loses at most this many
+            recorded steps; a run that ends normally, or whose Recorder is closed, loses
+            none (the buffer is flushed on ``close()`` and at interpreter exit).
+    """
+
+    def __init__(self, log_dir: str | os.PathLike, *, flush_every: int = 100) -> None:
+        if not isinstance(flush_every, int) or flush_every < 1:
+            raise ValueError(f"flush_every: must be an integer >= 1, got {flush_every!r}")
+        self.log_dir = Path(log_dir)
+        self.flush_every = flush_every
+        self.written: list[Path] = []
+        self._buffer = RowStore()
+        self._recorded = 0  # recorded steps in the buffer
+        self._closed = False
+
+    def open(self, info: RunInfo) -> None:
+        super().open(info)
+        if self.log_dir.exists() and not self.log_dir.is_dir():
+            raise NotADirectoryError(f"log_dir: {self.log_dir} exists and is not a folder")
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.flush)
+
+    def begin(self, step: int) -> None:
+        if self._recorded >= self.flush_every:
+            self.flush()
+        self._recorded += 1
+
+    def append(self, step: int, keys: list[Key], values: np.ndarray) -> None:
+        if self._closed:
+            raise RuntimeError(f"ParquetSink({self.log_dir}): closed; rows of step {step} cannot be written")
+        self._buffer.append(step, keys, values)
+
+    def pending(self) -> pd.DataFrame:
+        """The buffered rows, not yet on disk, as a table."""
+        return self._buffer.frame(**vars(self.info))
+
+    def flush(self) -> None:
+        """Writes the buffered rows as one part file (nothing when the buffer is empty)."""
+        if self.info is None or not len(self._buffer):
+            return
+        steps = self._buffer.steps()
+        table = to_arrow(self.pending())
+        name = f"part-r{self.info.rank}-{min(steps):010d}-{max(steps):010d}-{secrets.token_hex(4)}.parquet"
+        self.written.append(write_part(table, self.log_dir / name))
+        self._buffer, self._recorded = RowStore(), 0
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self.flush()
+        self._closed = True
+        atexit.unregister(self.flush)
+
+    def frame(self) -> pd.DataFrame:
+        """This sink's rows so far (its part files, then the buffer), as ``rec.frame()`` would give them."""
+        parts = [read(self.written)] if self.written else []
+        if self.info is not None and len(self._buffer):
+            parts.append(self.pending())
+        return pd.concat(parts, ignore_index=True).astype(DTYPES) if parts else empty_frame()
+
+
+def to_arrow(df: pd.DataFrame) -> pa.Table:
+    """A gradscope table as a pyarrow table with :data:`SCHEMA` and the format tag."""
+    from gradscope.io import FORMAT_KEY, FORMAT_VERSION
+
+    table = pa.Table.from_pandas(df[list(COLUMNS)].astype(DTYPES), preserve_index=False)
+    if table.schema.remove_metadata() != SCHEMA:
+        table = table.cast(SCHEMA.with_metadata(table.schema.metadata))
+    return table.replace_schema_metadata({**(table.schema.metadata or {}), FORMAT_KEY: FORMAT_VERSION})
+
+
+def write_part(table: pa.Table, path: Path) -> Path:
+    """Writes ``table`` to ``path`` atomically: hidden temporary file, fsync, rename."""
+    from gradscope.io import atomic_write
+
+    def write(tmp: str) -> None:
+        pq.write_table(table, tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # the rename must not reach the disk before the data
+        finally:
+            os.close(fd)
+
+    return atomic_write(path, write)
+
+
+def part_files(path: str | os.PathLike) -> list[Path]:
+    """Every parquet file at or below ``path``, sorted, skipping hidden and ``_``-prefixed
+    names (temporary files of writes in progress, ``_SUCCESS``-style markers)."""
+    path = Path(path)
+    if path.is_file():
+        return [path]
+    found = []
+    for p in path.rglob("*.parquet"):
+        if not any(part.startswith((".", "_")) for part in p.relative_to(path).parts):
+            found.append(p)
+    return sorted(found)
+
+
+def open_dataset(path: str | os.PathLike | list) -> ds.Dataset:
+    """A ``pyarrow.dataset`` over every part below ``path`` (a run, a folder of runs, a file
+    or a list of files), with :data:`SCHEMA`; nothing is read until it is scanned.
+
+    Example, the decoder's layer-output gradients of a run larger than memory::
+
+        import pyarrow.dataset as ds
+        d = open_dataset("runs/")
+        t = d.to_table(columns=["run", "step", "layer", "value"],
+                       filter=(ds.field("quantity") == "act_grad_norm") & (ds.field("role") == "layer_out"))
+
+    Raises:
+        FileNotFoundError: no parquet file there.
+    """
+    files = [Path(p) for p in path] if isinstance(path, list) else part_files(path)
+    if not files:
+        raise FileNotFoundError(f"gradscope: no parquet files at or below {path}")
+    return ds.dataset([str(f) for f in files], format="parquet", schema=SCHEMA)
+
+
+def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, filter: ds.Expression | None = None,
+         progress: bool = False) -> pd.DataFrame:
+    """Reads the parts at or below ``path`` into one table, file by file.
+
+    Args:
+        path: a run folder, a folder of runs, one file, or a list of files.
+        columns: columns to read (default: all, in SPEC §3 order).
+        filter: a ``pyarrow.dataset`` expression applied while reading
+            (``ds.field("quantity") == "act_grad_norm"``).
+        progress: show a progress bar over the files.
+
+    Returns:
+        The rows, with the dtypes of ``rec.frame()``. Parts written before the ``role``
+        column existed get it from :func:`gradscope.io.legacy_roles`.
+
+    Raises:
+        FileNotFoundError: no parquet file there.
+        ValueError: a file is unreadable or not a gradscope table (the message names it).
+    """
+    from tqdm.auto import tqdm
+
+    from gradscope.io import FORMAT_KEY, legacy_roles
+
+    dataset = open_dataset(path)
+    columns = list(columns or COLUMNS)
+    tables, legacy = [], False
+    for fragment in tqdm(dataset.get_fragments(), total=len(dataset.files), desc="reading parts", unit="file",
+                         disable=not progress, leave=False):
+        try:
+            schema = fragment.physical_schema
+            table = fragment.to_table(schema=SCHEMA, columns=columns, filter=filter)
+        except Exception as err:  # pyarrow raises several types for corrupt files
+            raise ValueError(f"gradscope.load: {fragment.path} is not a readable parquet file ({type(err).__name__}: {err})") from err
+        if (schema.metadata or {}).get(FORMAT_KEY) is None:
+            raise ValueError(f"gradscope.load: {fragment.path} is parquet but not a gradscope table (no {FORMAT_KEY.decode()} tag)")
+        legacy |= "role" not in schema.names
+        tables.append(table)
+    df = pa.concat_tables(tables).to_pandas()
+    if legacy and {"role", "quantity", "site", "stack", "layer", "variant"} <= set(columns):
+        missing = df["role"].isna()
+        df.loc[missing, "role"] = legacy_roles(df[missing].astype({c: DTYPES[c] for c in df.columns}))
+    return df.astype({c: DTYPES[c] for c in columns})
