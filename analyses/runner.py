@@ -71,6 +71,10 @@ class Analysis:
         """The figure, with the preset, recipe and verdicts written on it."""
         raise NotImplementedError
 
+    def task(self, seed: int):
+        """The task every run trains on (default: the preset's ``reverse`` task)."""
+        return self.preset.task(seed)
+
     def extra_tables(self, table: pd.DataFrame) -> dict[str, pd.DataFrame]:
         """Further tables to save beside the tidy one, by file name (default: none)."""
         return {}
@@ -118,7 +122,7 @@ def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
     analysis = kind(args.preset, seed=args.seed, device=args.device, max_steps=args.max_steps)
     specs = analysis.plan()
     with session(args, kind.name) as device:
-        task = analysis.preset.task(args.seed)
+        task = analysis.task(args.seed)
         if args.dry_run:
             dry_run(specs, task, device)
             return []

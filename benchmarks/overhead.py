@@ -29,7 +29,9 @@ under the same guards.
 
 Methods (``benchmarks.overhead_methods``): gradscope with default quantities (norms),
 gradscope with all quantities (cosine and update ratio every 10 steps: ``every=1``,
-``slow_every=10``, so one timed step in ten records them), a Recorder attached whose steps
+``slow_every=10``, so one timed step in ten records them), the signals before instability
+(``quantities="signals"``: default plus attention logits and entropy, output log Z,
+sub-layer RMS and gradient RMS over ε) recorded every step and every 10th step, a Recorder attached whose steps
 are not recorded (``every=1000``: the cost of hooks passing through), bare hooks taking one
 norm per site value and gradient with no bookkeeping (the floor for activation norms; eager
 only), a naive loop calling ``p.grad.norm().item()`` per parameter, gradscope's default

@@ -238,6 +238,9 @@ def lightning_grad_norm(model, opt, batch, compiled: bool) -> Runner:
 METHODS: list[Method] = [
     Method("gradscope norms (default)", with_recorder("default"), records=True),
     Method("gradscope all (cosine every 10)", with_recorder("all"), records=True),
+    Method("gradscope signals (default + attention logits/entropy, log Z, RMS, grad RMS/eps)", with_recorder("signals"),
+           records=True),
+    Method("gradscope signals, every 10th step recorded (every=10)", with_recorder("signals", every=10), records=True),
     Method("gradscope attached, step not recorded (every=1000)", with_recorder("default", every=1000)),
     Method("bare hooks: one vector_norm per site value and gradient", bare_site_norms),
     Method("naive p.grad.norm().item() loop", naive_item),

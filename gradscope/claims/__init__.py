@@ -39,6 +39,12 @@ Claims (paper / figure: rule with default thresholds; g = act_grad_norm):
 untrained model's loss.
 """
 
+from gradscope.claims.instability import (
+    logits_grow_before_divergence,
+    lr_summary,
+    qk_norm_bounds_logits,
+    z_loss_keeps_log_z_near_zero,
+)
 from gradscope.claims.matrices import (
     lower_left_mean,
     row_density,
@@ -74,8 +80,11 @@ __all__ = [
     "SWEEP_COLUMNS",
     "RunOutcome",
     "Verdict",
+    "logits_grow_before_divergence",
     "lower_left_mean",
+    "lr_summary",
     "nguyen_warmup_free",
+    "qk_norm_bounds_logits",
     "row_density",
     "run_outcome",
     "sweep_lipschitz_rescues",
@@ -95,4 +104,5 @@ __all__ = [
     "write_claims",
     "xu_table2_lipschitz_closer",
     "xu_table2_post_ln_shrinks",
+    "z_loss_keeps_log_z_near_zero",
 ]

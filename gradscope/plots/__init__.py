@@ -20,9 +20,11 @@ Multi-panel figures are assembled in ``analyses/``.
 | :func:`scalenorm_g` | Nguyen & Salazar 2019 |
 | :func:`scan_layers` | ``gradscope scan``'s per-layer profile |
 | :func:`layer_heatmap`, :func:`layer_series` | a run over time (``gradscope report``) |
+| :func:`lr_sensitivity`, :func:`signal_over_training` | Wortsman 2023 Fig. 1; signals before instability |
 """
 
 from gradscope.plots.curves import depth_sweep, loss_curves, w_over_sigma_curves
+from gradscope.plots.instability import lr_sensitivity, signal_over_training
 from gradscope.plots.matrices import cosine_heatmap, dlcl_column, dlcl_heatmap
 from gradscope.plots.over_time import layer_heatmap, layer_series
 from gradscope.plots.profiles import (
@@ -51,8 +53,10 @@ __all__ = [
     "ln_gains",
     "location_norms",
     "loss_curves",
+    "lr_sensitivity",
     "scalenorm_g",
     "scan_layers",
+    "signal_over_training",
     "w_over_sigma",
     "w_over_sigma_curves",
 ]

@@ -2,6 +2,7 @@
 
 from gradscope.recorder.layout import Layout, find_layout
 from gradscope.recorder.oneshot import record, snapshot
-from gradscope.recorder.recorder import ALL_QUANTITIES, DEFAULT_QUANTITIES, Recorder
+from gradscope.recorder.quantities import ALL_QUANTITIES, DEFAULT_QUANTITIES
+from gradscope.recorder.recorder import Recorder
 
 __all__ = ["ALL_QUANTITIES", "DEFAULT_QUANTITIES", "Layout", "Recorder", "find_layout", "record", "snapshot"]

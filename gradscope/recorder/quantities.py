@@ -29,6 +29,7 @@ from gradscope.recorder.signal_quantities import (
     group_grad_norms,
 )
 from gradscope.recorder.store import StepBuffer
+from gradscope.table import QUANTITIES
 
 Row = tuple[tuple, float]
 
@@ -311,3 +312,25 @@ REGISTRY: dict[str, Quantity] = {
 
 def _ratio(a: float, b: float) -> float:
     return a / b if b != 0 else (math.nan if a == 0 else math.inf)
+
+
+# -- the quantities a Recorder takes ------------------------------------------------------------
+DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
+ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", "spike")
+SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "output_logit_log_z_max", "sublayer_out_rms",
+                     "grad_rms_over_eps")  # signals before instability (gradscope.recorder.signals)
+SLOW_QUANTITIES = frozenset(name for name, q in REGISTRY.items() if q.slow)  # every ``slow_every`` recorded steps
+
+
+def resolve_quantities(quantities: str | tuple | list) -> tuple[str, ...]:
+    """``"default"``, ``"all"``, ``"signals"``, or a list of names from ``gradscope.table.QUANTITIES``
+    (``spike`` is computed on the host by the Recorder's outlet, :mod:`gradscope.recorder.spike`)."""
+    if isinstance(quantities, str):
+        presets = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES, "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
+        if quantities not in presets:
+            raise ValueError(f"quantities: unknown preset {quantities!r}; valid: {sorted(presets)} or a list of {list(QUANTITIES)}")
+        return presets[quantities]
+    unknown = [q for q in quantities if q not in QUANTITIES]
+    if unknown:
+        raise ValueError(f"quantities: unknown {unknown}; valid: {sorted(QUANTITIES)}")
+    return tuple(quantities)

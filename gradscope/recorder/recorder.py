@@ -36,35 +36,12 @@ from gradscope.recorder.capture import Capture
 from gradscope.recorder.finish import check_calls, step_rows
 from gradscope.recorder.layout import find_layout
 from gradscope.recorder.params import ParamGroups
-from gradscope.recorder.quantities import REGISTRY
+from gradscope.recorder.quantities import REGISTRY, SLOW_QUANTITIES, resolve_quantities
 from gradscope.recorder.spike import SPIKE, SpikeDetector
 from gradscope.recorder.store import RowStore, StepBuffer
 from gradscope.recorder.wrappers import dist_rank, grad_versions, no_autocast, unwrap
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.sinks.outlet import Outlet, make_sinks
-from gradscope.table import QUANTITIES
-
-KNOWN = QUANTITIES  # spike among them: computed on the host by the Outlet
-
-DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
-ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", SPIKE)
-SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "output_logit_log_z_max", "sublayer_out_rms",
-                     "grad_rms_over_eps")  # signals before instability (gradscope.recorder.signals)
-SLOW_QUANTITIES = frozenset(name for name, q in REGISTRY.items() if q.slow)  # every ``slow_every`` recorded steps
-
-
-def resolve_quantities(quantities: str | tuple | list) -> tuple[str, ...]:
-    """``"default"``, ``"all"``, or a list of names from ``gradscope.table.QUANTITIES``."""
-    if isinstance(quantities, str):
-        presets = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES, "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
-        if quantities not in presets:
-            raise ValueError(f"quantities: unknown preset {quantities!r}; valid: {sorted(presets)} or a list of {list(KNOWN)}")
-        return presets[quantities]
-    unknown = [q for q in quantities if q not in KNOWN]
-    if unknown:
-        raise ValueError(f"quantities: unknown {unknown}; valid: {sorted(KNOWN)}")
-    return tuple(quantities)
-
 
 class Recorder:
     """Records gradient norms and LayerNorm statistics of ``model``.
@@ -372,12 +349,9 @@ class Recorder:
         """
         if gather:
             from gradscope.distributed import gather_frame
-
             return gather_frame(self, dst=dst)
         disk = self._out.frame()  # with log_dir: the parts written so far and the buffer
-        if disk is not None:
-            return disk
-        return self._store.frame(run=self.run, variant=self.variant, rank=self.rank, reduction=self.reduction)
+        return disk if disk is not None else self._store.frame(run=self.run, variant=self.variant, rank=self.rank, reduction=self.reduction)
 
     def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
         """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``).
@@ -386,7 +360,6 @@ class Recorder:
         and the others write nothing.
         """
         from gradscope.io import save_frame
-
         df = self.frame(gather=gather, dst=dst)
         if df is not None:
             save_frame(df, path)

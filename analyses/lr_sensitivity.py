@@ -1,0 +1,106 @@
+"""Wortsman et al. 2023: learning-rate sensitivity of small decoder LMs, with and without
+QK-LayerNorm and z-loss, and the signals that precede their instability.
+
+Pre-LN decoder-only LMs at the shallow depth (6 layers at default, 2 at ci) of the preset's
+width are trained on the built-in ``markov_lm`` task (a Markov chain over the preset's
+vocabulary) over a sweep of peak learning rates, in four settings: plain, ``qk_norm`` (a
+LayerNorm on each head's q and k), z-loss (coefficient 1e-4, as Wortsman and PaLM), and
+both. Everything else is the preset's recipe, the same for every run. ``attn_logit_max`` and
+``output_logit_log_z`` are recorded at init and ``RECORDINGS`` times during training.
+
+Claims, with rules fixed in ``gradscope/claims/instability.py`` before any run:
+1. without qk_norm, attention logits grow by more than 10x before the loss diverges at high lr;
+2. qk_norm keeps them bounded and widens the range of stable learning rates;
+3. z-loss keeps log Z near 0.
+
+    python -m analyses.lr_sensitivity --preset default --out figures
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import matplotlib.pyplot as plt
+import pandas as pd
+
+from analyses.runner import Analysis, entry_point
+from analyses.runs import Bench, RunSpec
+from gradscope import claims, plots
+from gradscope.train.tasks import make_task
+
+LRS = {"ci": (1e-3, 1e-2, 1e-1, 1.0), "default": (1e-3, 3e-3, 1e-2, 3e-2, 1e-1, 3e-1, 1.0),
+       "paper": (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 1e-1)}
+STEPS = {"ci": 60, "default": 300, "paper": 50_000}
+Z_LOSS = 1e-4
+SETTINGS = {"pre_ln": (False, 0.0), "pre_ln+qk_norm": (True, 0.0), "pre_ln+z_loss": (False, Z_LOSS),
+            "pre_ln+qk_norm+z_loss": (True, Z_LOSS)}
+RECORDINGS = 10
+TASK = "markov_lm"
+
+
+class LrSensitivity(Analysis):
+    """Four settings × ``LRS`` peak learning rates, ``STEPS`` steps each."""
+
+    name = "lr_sensitivity"
+    quantities = ("attn_logit_max", "output_logit_log_z")
+    recordings = RECORDINGS
+
+    @property
+    def depth(self) -> int:
+        return self.preset.shallow
+
+    def runs(self) -> dict[str, tuple[str, bool, float, float]]:
+        """Run name -> (setting, qk_norm, z-loss coefficient, learning rate)."""
+        return {f"{s} lr={lr:g}": (s, qk, z, lr) for s, (qk, z) in SETTINGS.items() for lr in LRS[self.preset.name]}
+
+    def plan(self) -> list[RunSpec]:
+        specs = []
+        for run, (_, qk, z, lr) in self.runs().items():
+            model = self.preset.size.replace(arch="decoder", variant="pre_ln", n_enc=self.depth, n_dec=self.depth,
+                                             qk_norm=qk)
+            spec = self.trained(run, model, STEPS[self.preset.name], lr=lr)
+            specs.append(dataclasses.replace(spec, train=spec.train.replace(z_loss=z)))
+        return specs
+
+    def task(self, seed: int):
+        return make_task(TASK, vocab=self.preset.size.vocab, max_len=self.preset.size.max_len, seed=seed)
+
+    def collect(self, spec: RunSpec, bench: Bench) -> list[pd.DataFrame]:
+        steps = spec.train.steps
+        return [bench.train(spec, quantities=self.quantities, record_every=max(1, steps // self.recordings)).table]
+
+    def summary(self, df: pd.DataFrame) -> pd.DataFrame:
+        return claims.lr_summary(df, self.runs())
+
+    def conclude(self, df: pd.DataFrame) -> list[claims.Verdict]:
+        s, p = self.summary(df), self.preset.name
+        return [claims.logits_grow_before_divergence(s, preset=p), claims.qk_norm_bounds_logits(s, preset=p),
+                claims.z_loss_keeps_log_z_near_zero(s, preset=p)]
+
+    def extra_tables(self, df: pd.DataFrame) -> dict[str, pd.DataFrame]:
+        return {"lr_sensitivity_summary": self.summary(df)}
+
+    def draw(self, df: pd.DataFrame, verdicts) -> plt.Figure:
+        fig, axes = plt.subplots(1, 3, figsize=(21, 6.5), layout="constrained")
+        setting = f"pre_ln decoder {self.depth}L · preset {self.preset.name}"
+        plots.lr_sensitivity(self.summary(df), order=list(SETTINGS), ax=axes[0], title=f"Wortsman 2023 Fig. 1, {setting}")
+        top = sorted(LRS[self.preset.name])[-2:]
+        runs = [r for r, (_, _, z, lr) in self.runs().items() if lr in top and (z == 0 or "qk_norm" not in r)]
+        plots.signal_over_training(df, quantity="attn_logit_max", runs=runs, logy=True, ax=axes[1],
+                                   title=f"two highest rates, {setting}")
+        plots.signal_over_training(df, quantity="output_logit_log_z", runs=runs, ax=axes[2],
+                                   title=f"two highest rates, {setting}")
+        train = self.plan()[0].train
+        return self.annotate(fig, "Learning-rate sensitivity: qk_norm and z-loss (Wortsman et al. 2023)",
+                             [f"task here: {TASK} (vocab {self.preset.size.vocab}, max_len {self.preset.size.max_len}), "
+                              "not the other analyses' reverse task",
+                              train.describe().replace(f"peak lr {train.lr:g}", f"peak lr swept over {list(LRS[self.preset.name])}"),
+                              f"settings {list(SETTINGS)}, z-loss {Z_LOSS:g}; same recipe for every run"], verdicts)
+
+
+ANALYSIS = LrSensitivity
+main = entry_point(__doc__, LrSensitivity)
+
+if __name__ == "__main__":
+    sys.exit(main())
