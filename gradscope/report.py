@@ -28,9 +28,10 @@ import pandas as pd
 import pyarrow.dataset as ds
 
 from gradscope.recorder.spike import SIGMAS, WINDOW, find_spikes
-from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING
+from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, GRAD_RMS_OVER_EPS_LOW
 from gradscope.sinks.parquet import read
 
+LOGIT_GROWTH = 10.0  # the largest attention logit growing more than this from the first recorded step: a warning
 READ_COLUMNS = ["run", "variant", "step", "micro_step", "rank", "stack", "layer", "site", "quantity", "value", "reduction", "role"]
 LAYER_ROLES = ["layer_out", "embed"]
 
@@ -39,7 +40,8 @@ def read_run(path: str | Path, *, progress: bool = True) -> pd.DataFrame:
     """The rows a report needs: layer-output and embedding ``act_grad_norm``, ``spike``,
     ``loss`` (accumulated rows) and every ``nonfinite`` / ``nonfinite_grad`` row."""
     q, f = ds.field("quantity"), ds.field
-    wanted = (((q == "act_grad_norm") & f("role").isin(LAYER_ROLES)) | q.isin(["spike", "loss"])) & (f("micro_step") == -1)
+    wanted = (((q == "act_grad_norm") & f("role").isin(LAYER_ROLES))
+              | q.isin(["spike", "loss", "attn_logit_max", "grad_rms_over_eps"])) & (f("micro_step") == -1)
     return read(path, columns=READ_COLUMNS, filter=wanted | q.isin(["nonfinite", "nonfinite_grad"]), progress=progress)
 
 
@@ -71,6 +73,30 @@ def spike_table(spikes: pd.DataFrame, limit: int = 15) -> list[str]:
     if len(by) > limit:
         out.append(f"\n… and {len(by) - limit} more sites ({int(by.spikes.sum())} spikes in all).")
     return out
+
+
+def signal_lines(rows: pd.DataFrame) -> list[str]:
+    """Warnings from the signals before instability, when the run recorded them: the largest
+    attention logit growing more than ``LOGIT_GROWTH``× from the first recorded step
+    (Wortsman 2023 §3.1), and parameter groups whose gradient RMS fell below
+    ``GRAD_RMS_OVER_EPS_LOW``·ε (§3.4)."""
+    lines = []
+    logits = rows[(rows.quantity == "attn_logit_max")]
+    if "layer_j" in logits:
+        logits = logits[logits.layer_j.isna()]
+    if not logits.empty:
+        series = logits.groupby("step").value.max().sort_index()
+        first, peak = float(series.iloc[0]), float(series.max())
+        grew = first > 0 and peak / first > LOGIT_GROWTH
+        lines.append(f"- largest attention logit: {first:.3g} at step {int(series.index[0])}, peak {peak:.3g} at step "
+                     f"{int(series.idxmax())}" + (f" — **WARNING: grew more than {LOGIT_GROWTH:g}×** (attention-logit "
+                                                  "growth precedes divergence; qk_norm bounds it)" if grew else ""))
+    rms = rows[(rows.quantity == "grad_rms_over_eps") & (rows.value < GRAD_RMS_OVER_EPS_LOW)]
+    if not rms.empty:
+        sites = ", ".join("`" + (x or "total") + "`" for x in sorted(rms.site.unique())[:5])
+        lines.append(f"- **WARNING: gradient RMS below {GRAD_RMS_OVER_EPS_LOW:g}·ε** in {rms.site.nunique()} parameter group(s) "
+                     f"from step {int(rms.step.min())}: {sites} (Adam's updates shrink)")
+    return lines
 
 
 def first_nonfinite(rows: pd.DataFrame) -> str:
@@ -107,6 +133,9 @@ def report_run(rows: pd.DataFrame, out: Path, name: str, max_bins: int = 500) ->
     lines += decay_lines(outs, int(steps.min())) + decay_lines(outs, int(steps.max())) + [""]
     lines += [f"### Spikes (> {SIGMAS:g}σ above the mean of the site's previous {WINDOW} values; {source})", ""]
     lines += spike_table(spikes) + ["", "### First non-finite value", "", first_nonfinite(rows), ""]
+    signals = signal_lines(rows)
+    if signals:
+        lines += ["### Signals before instability", "", *signals, ""]
     figures = []
     for kind, draw, size in (("heatmap", lambda ax: layer_heatmap(rows, max_bins=max_bins, ax=ax, title=f"run {name}"), (10, 5)),
                              ("series", lambda ax: layer_series(rows, spikes=spikes, ax=ax, title=f"run {name}"), (10, 4.5))):

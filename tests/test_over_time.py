@@ -160,3 +160,20 @@ def test_report_summarises_vanishing_spikes_and_the_first_nonfinite_site(tmp_pat
     assert f"| `{SITES[1]}` | act_grad_norm | 1 | 250 |" in summary
     assert f"Step 280: first at `{SITES[1]}` (forward activation" in summary
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["r_heatmap.png", "r_series.png"]
+
+
+def test_report_warns_on_attention_logit_growth_and_gradient_rms_near_eps():
+    from gradscope.report import LOGIT_GROWTH, signal_lines
+    from gradscope.scan import GRAD_RMS_OVER_EPS_LOW
+    from gradscope.table import make_frame
+
+    rows = [dict(step=s, site="d.layers.0.attn", quantity="attn_logit_max", value=v) for s, v in ((0, 2.0), (10, 3.0))]
+    rows.append(dict(step=10, site="d.layers.0", quantity="grad_rms_over_eps", value=GRAD_RMS_OVER_EPS_LOW * 2))
+    calm = signal_lines(make_frame(rows))
+    assert len(calm) == 1 and "WARNING" not in calm[0]
+    rows += [dict(step=20, site="d.layers.0.attn", quantity="attn_logit_max", value=2.0 * LOGIT_GROWTH * 1.5),
+             dict(step=20, site="d.layers.0", quantity="grad_rms_over_eps", value=GRAD_RMS_OVER_EPS_LOW / 2)]
+    text = "\n".join(signal_lines(make_frame(rows)))
+    assert f"grew more than {LOGIT_GROWTH:g}" in text and "peak 30 at step 20" in text
+    assert "gradient RMS below" in text and "`d.layers.0`" in text and "from step 20" in text
+    assert signal_lines(make_frame([])) == []
