@@ -120,16 +120,17 @@ def plain(model, opt, batch, compiled: bool) -> Runner:
     return Runner(step)
 
 
-def with_recorder(quantities: str | list[str], every: int = 1) -> Callable[..., Runner]:
+def with_recorder(quantities: str | list[str], every: int = 1, sinks: Callable[[], list] = list) -> Callable[..., Runner]:
     """Setup of a gradscope Recorder (``slow_every=10``), made before the model is compiled.
 
     Args:
         quantities: ``"default"``, ``"all"`` or a list of quantity names.
         every: record steps that are multiples of this (``1000``: the timed steps are not
             recorded, which times the hooks' pass-through).
+        sinks: makes the Recorder's extra sinks (called at setup).
     """
     def setup(model, opt, batch, compiled: bool) -> Runner:
-        rec = gradscope.Recorder(model, quantities=quantities, every=every, optimizer=opt, slow_every=10)
+        rec = gradscope.Recorder(model, quantities=quantities, every=every, optimizer=opt, slow_every=10, sinks=sinks())
         run = maybe_compile(model, compiled)
 
         def step(i):
@@ -206,20 +207,12 @@ def gradscope_wandb(model, opt, batch, compiled: bool) -> Runner:
 
     os.environ.setdefault("WANDB_SILENT", "true")
     run_ = wandb.init(mode="offline", dir=tempfile.mkdtemp(prefix="gradscope-wandb-"), project="gradscope-bench")
-    rec = gradscope.Recorder(model, quantities="default", optimizer=opt, slow_every=10, sinks=[WandbSink(run=run_)])
-    run = maybe_compile(model, compiled)
-
-    def step(i):
-        with rec.step(i):
-            loss = loss_of(run, batch)
-            loss.backward()
-            rec.log("loss", loss)
-        _finish_opt(opt)
+    runner = with_recorder("default", sinks=lambda: [WandbSink(run=run_)])(model, opt, batch, compiled)
 
     def finish():
-        rec.close()
+        runner.finish()
         run_.finish()
-    return Runner(step, recorder=rec, finish=finish)
+    return Runner(runner.step, recorder=runner.recorder, finish=finish)
 
 
 def lightning_grad_norm(model, opt, batch, compiled: bool) -> Runner:
