@@ -2,7 +2,8 @@
 
 Each analysis writes its figure (PNG, PDF), its table (parquet) and its section of
 ``<out>/CLAIMS.md`` and prints its verdicts; at the end the time of each analysis and
-the total are printed. The flags are those of every ``python -m analyses.<name>``.
+the total are printed. The flags are those of every ``python -m analyses.<name>``; with
+``--init-only`` the analyses whose claims need training are skipped.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ def main(argv: list[str] | None = None) -> int:
         bar.set_postfix_str(name)
         t0 = time.perf_counter()
         module = importlib.import_module(f"analyses.{name}")
+        if args.init_only and name in ANALYSES and not module.ANALYSIS.at_init:
+            print(f"{name}: skipped (--init-only; its claims need training)", flush=True)
+            continue
         run(module.ANALYSIS, args) if name in ANALYSES else module.run(args)
         times[name] = time.perf_counter() - t0
     bar.close()

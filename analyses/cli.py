@@ -30,6 +30,12 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
                              "machine; default: %(default)s")
     parser.add_argument("--max-steps", type=_positive_int, default=None,
                         help="cap every training run at this many steps (smoke tests); the figures say so")
+    parser.add_argument("--batch-size", type=_positive_int, default=None,
+                        help="sequences per batch instead of the preset's (e.g. the paper preset's at-init "
+                             "analyses on a small CPU); the figure footer and CLAIMS.md detail say so")
+    parser.add_argument("--init-only", action="store_true",
+                        help="analyses that train (residual_shrink, scan_agreement): record only at "
+                             "initialisation and skip training; the figure and CLAIMS.md say so")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the planned runs and build each model once, then exit without training "
                              "or writing anything")

@@ -38,6 +38,7 @@ class GradNorms(Analysis):
     (``embed_depths``, decoder depth ``preset.shallow``)."""
 
     name = "grad_norms"
+    at_init = True  # every run is init-only
     quantities = ("act_grad_norm",)
 
     @property

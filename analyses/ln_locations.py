@@ -29,6 +29,7 @@ class LNLocations(Analysis):
     """The deep Post-LN model (``preset.deep`` layers per stack) at step 0."""
 
     name = "ln_locations"
+    at_init = True  # every run is init-only
     quantities = ("act_grad_norm", "ln_gain")
 
     @property

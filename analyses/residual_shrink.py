@@ -10,7 +10,11 @@ any update) and four times during training.
 Claims: post_ln's mean w/σ is below 1 (at init and after training); the lipschitz run's
 w/σ is closer to 1 than the xavier run's (at init and after training).
 
+With ``--init-only`` nothing is trained: only the at-init half is recorded, concluded and
+drawn (the paper preset's 50,000 steps need a GPU; its at-init half runs on a CPU).
+
     python -m analyses.residual_shrink --preset default --out figures
+    python -m analyses.residual_shrink --preset paper --init-only --batch-size 64 --out figures/paper
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ class ResidualShrink(Analysis):
     """post_ln with each of :data:`INITS` at the deep setting, trained ``STEPS`` steps."""
 
     name = "residual_shrink"
+    at_init = True  # --init-only: the at-init half alone
     quantities = ("ln_w_over_sigma",)
     recordings = 4
 
@@ -51,7 +56,8 @@ class ResidualShrink(Analysis):
     def conclude(self, df: pd.DataFrame) -> list[claims.Verdict]:
         name, base, lip = self.preset.name, run_name("xavier"), run_name("lipschitz")
         out = []
-        for step, when in (("first", "at init"), ("last", "trained")):
+        moments = (("first", "at init"), ("last", "trained"))
+        for step, when in moments[:1] if self.init_only else moments:
             setting = f"{self.depth}L-{self.depth}L, {when}"
             out.append(tag(claims.xu_table2_post_ln_shrinks(df, run=base, step=step, preset=name), setting))
             out.append(tag(claims.xu_table2_lipschitz_closer(df, baseline_run=base, lipschitz_run=lip, step=step,
@@ -59,9 +65,17 @@ class ResidualShrink(Analysis):
         return out
 
     def draw(self, df: pd.DataFrame, verdicts) -> plt.Figure:
-        fig, axes = plt.subplots(2, 3, figsize=(20, 10), layout="constrained")
         order = [run_name(i) for i in INITS]
         setting = f"post_ln {self.depth}L-{self.depth}L · preset {self.preset.name}"
+        title = "LayerNorm w/σ per layer: below 1, a Post-LN norm shrinks the residual (Xu 2020 Table 2)"
+        same = "same hyper-parameters for both inits; step 0 = training batch 1 before any update"
+        if self.init_only:
+            fig, axes = plt.subplots(1, 2, figsize=(14, 5.5), layout="constrained")
+            for ax, stack in zip(axes, ("encoder", "decoder"), strict=True):
+                plots.w_over_sigma(df, stack=stack, step="first", hue_order=order, ax=ax,
+                                   title=f"Xu Table 2: {stack} w/σ at init, {setting}")
+            return self.annotate(fig, title + ", at init", [same], verdicts)
+        fig, axes = plt.subplots(2, 3, figsize=(20, 10), layout="constrained")
         for row, stack in enumerate(("encoder", "decoder")):
             for col, (step, when) in enumerate((("first", "at init"), ("last", "after training"))):
                 plots.w_over_sigma(df, stack=stack, step=step, hue_order=order, ax=axes[row, col],
@@ -69,9 +83,7 @@ class ResidualShrink(Analysis):
         plots.w_over_sigma_curves(df, hue_order=order, ax=axes[0, 2], title=f"w/σ during training, {setting}")
         plots.loss_curves(df, quantity="val_loss", hue="run", hue_order=order, ax=axes[1, 2],
                           title=f"validation loss, {setting}")
-        return self.annotate(fig, "LayerNorm w/σ per layer: below 1, a Post-LN norm shrinks the residual (Xu 2020 Table 2)",
-                             [self.plan()[0].train.describe(),
-                              "same hyper-parameters for both inits; step 0 = training batch 1 before any update"], verdicts)
+        return self.annotate(fig, title, [self.plan()[0].train.describe(), same], verdicts)
 
 
 ANALYSIS = ResidualShrink

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
@@ -41,16 +42,26 @@ class Analysis:
         seed: init / data / dropout seed of every run.
         device: ``auto``, ``cpu`` or ``cuda``, for the training configs.
         max_steps: cap on every run's training steps (smoke tests), or None.
+        batch_size: sequences per batch instead of the preset's (``--batch-size``), or None;
+            the figure footer and every verdict's detail say so.
+        init_only: skip training (``--init-only``): :meth:`trained` plans an init-only run,
+            and an analysis that trains concludes and draws only its at-init part.
     """
 
     name: ClassVar[str]
+    #: whether the analysis has an at-init part that stands alone (``--init-only`` allowed)
+    at_init: ClassVar[bool] = False
     quantities: ClassVar[tuple[str, ...]] = ()
     recordings: ClassVar[int] = 0
 
     def __init__(self, preset: str | presets.Preset, *, seed: int = 0, device: str = "auto",
-                 max_steps: int | None = None) -> None:
-        self.preset = presets.get(preset) if isinstance(preset, str) else preset
-        self.seed, self.device, self.max_steps = seed, device, max_steps
+                 max_steps: int | None = None, batch_size: int | None = None, init_only: bool = False) -> None:
+        preset = presets.get(preset) if isinstance(preset, str) else preset
+        self.preset_batch_size = preset.batch_size
+        if batch_size is not None and batch_size != preset.batch_size:
+            preset = dataclasses.replace(preset, batch_size=batch_size)
+        self.preset = preset
+        self.seed, self.device, self.max_steps, self.init_only = seed, device, max_steps, init_only
 
     # -- the protocol ------------------------------------------------------------------------
     def plan(self) -> list[RunSpec]:
@@ -84,15 +95,43 @@ class Analysis:
         """What the default :meth:`collect` records of ``spec`` (default: :attr:`quantities`)."""
         return self.quantities
 
+    @property
+    def batch_reduced(self) -> bool:
+        """Whether ``--batch-size`` changed the preset's batch."""
+        return self.preset.batch_size != self.preset_batch_size
+
+    def setting_notes(self) -> list[str]:
+        """What differs from the preset (``--batch-size``, ``--init-only``), for footers and verdicts."""
+        notes = []
+        if self.batch_reduced:
+            notes.append(f"batch {self.preset.batch_size} instead of the preset's {self.preset_batch_size} "
+                         "(--batch-size; width and depth unchanged)")
+        if self.init_only:
+            notes.append("at-init part only (--init-only): no training")
+        return notes
+
+    def noted(self, verdicts: Sequence[Verdict]) -> list[Verdict]:
+        """``verdicts`` with :meth:`setting_notes` prepended to each detail."""
+        notes = "; ".join(self.setting_notes())
+        if not notes:
+            return list(verdicts)
+        return [dataclasses.replace(v, detail=f"{notes}; {v.detail}" if v.detail else notes) for v in verdicts]
+
     def trained(self, run: str, model, steps: int, **recipe) -> RunSpec:
         """A run trained ``steps`` steps with the preset's recipe (``recipe``: lr, warmup,
-        schedule overrides), capped at ``max_steps``."""
+        schedule overrides), capped at ``max_steps``; init only with ``init_only``."""
+        if self.init_only:
+            return RunSpec(run, model)
         config = self.preset.train(steps, seed=self.seed, device=self.device, **recipe)
         return cap_steps(RunSpec(run, model, config), self.max_steps)
 
     def annotate(self, fig: Figure, title: str, lines: Sequence[str], verdicts: Sequence[Verdict]) -> Figure:
         """:func:`analyses.outputs.annotate` with the preset's line first."""
-        annotate(fig, title, [self.preset.describe(), *lines], verdicts)
+        describe = self.preset.describe()
+        if self.batch_reduced:
+            describe += f" (reduced from the preset's {self.preset_batch_size} with --batch-size)"
+        notes = ["at-init part only (--init-only): no training"] if self.init_only else []
+        annotate(fig, title, [describe, *notes, *lines], verdicts)
         return fig
 
 
@@ -118,8 +157,14 @@ def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
 
     Returns:
         The verdicts (empty on a dry run).
+
+    Raises:
+        SystemExit: ``--init-only`` for an analysis without a standalone at-init part.
     """
-    analysis = kind(args.preset, seed=args.seed, device=args.device, max_steps=args.max_steps)
+    if args.init_only and not kind.at_init:
+        raise SystemExit(f"{kind.name}: --init-only is not supported (its claims need training)")
+    analysis = kind(args.preset, seed=args.seed, device=args.device, max_steps=args.max_steps,
+                    batch_size=args.batch_size, init_only=args.init_only)
     specs = analysis.plan()
     with session(args, kind.name) as device:
         task = analysis.task(args.seed)
@@ -129,7 +174,7 @@ def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
         bench = Bench(task=task, device=device, batch_size=analysis.preset.batch_size, seed=args.seed,
                       progress=not args.no_progress)
         table = concat(part for spec in specs for part in analysis.collect(spec, bench))
-        verdicts = analysis.conclude(table)
+        verdicts = analysis.noted(analysis.conclude(table))
         for name, extra in analysis.extra_tables(table).items():
             save_plain_table(extra, args.out, name)
         publish(table, analysis.draw(table, verdicts), verdicts, args.out, kind.name)

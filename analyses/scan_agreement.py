@@ -9,7 +9,12 @@ Run ``analyses.convergence`` first at the same preset; ``python -m analyses`` do
 Outputs: ``scan_agreement.md`` (the table, with the counts that agree and disagree) and
 ``scan_agreement.parquet``.
 
+With ``--init-only`` (a preset whose sweep cannot be trained here, e.g. ``paper`` on a CPU)
+only the scan is run: the table gives each run's step-0 numbers and verdict, with no
+outcome and no agreement.
+
     python -m analyses.scan_agreement --preset default --out figures
+    python -m analyses.scan_agreement --preset paper --init-only --batch-size 64 --out figures/paper
 """
 
 from __future__ import annotations
@@ -50,6 +55,23 @@ def agreement(scans: pd.DataFrame, sweep: pd.DataFrame) -> pd.DataFrame:
     return table
 
 
+def scan_markdown(table: pd.DataFrame, preset: str, notes: list[str]) -> str:
+    """The step-0 scan of every planned run, without outcomes (``--init-only``), as ``scan_agreement.md``."""
+    at_risk = int((table.scan == "at risk").sum())
+    lines = [
+        f"# Scan at step 0 (preset {preset}); training outcomes not measured", "",
+        f"Written by `python -m analyses.{NAME} --init-only`: {'; '.join(notes)}. Scan verdict: *at risk* when a "
+        f"stack's gradient-norm ratio bottom/top layer output leaves [{DECAY_VANISHING:g}, {DECAY_EXPLODING:g}] or a "
+        "site is non-finite, else *healthy*. The runs are those `analyses.convergence` trains at this preset; "
+        "they were not trained, so there is no agreement to count.", "",
+        f"**{at_risk} of {len(table)} runs at risk, {len(table) - at_risk} healthy.**", "",
+        "| run | encoder bottom/top | decoder bottom/top | min LN gain | scan |", "|---|---|---|---|---|",
+        *(f"| {r.run} | {r.encoder_bottom_top:.3g} | {r.decoder_bottom_top:.3g} | {r.min_ln_gain:.3g} | {r.scan} |"
+          for r in table.itertuples()),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def markdown(table: pd.DataFrame, preset: str) -> str:
     """The agreement table with its counts, as ``scan_agreement.md``."""
     counts = pd.crosstab(table.scan, table.outcome).reindex(index=["healthy", "at risk"], columns=["converged", "failed"], fill_value=0)
@@ -72,21 +94,25 @@ def markdown(table: pd.DataFrame, preset: str) -> str:
 
 
 def run(args) -> pd.DataFrame | None:
-    sweep = Convergence(args.preset, seed=args.seed, device=args.device)
+    sweep = Convergence(args.preset, seed=args.seed, device=args.device, batch_size=args.batch_size,
+                        init_only=args.init_only)
     specs = sweep.plan()
     with session(args, NAME) as device:
         if args.dry_run:
             print(f"[dry-run] {NAME}: would scan {len(specs)} runs and compare with {args.out / 'convergence_sweep.parquet'}")
             return None
-        sweep_path = args.out / "convergence_sweep.parquet"
-        if not sweep_path.exists():
-            raise SystemExit(f"{NAME}: {sweep_path} not found; run `python -m analyses.convergence --preset {args.preset} "
-                             f"--out {args.out}` first")
         bench = Bench(task=sweep.preset.task(args.seed), device=device, batch_size=sweep.preset.batch_size,
                       seed=args.seed, progress=False)
-        table = agreement(scan_rows(specs, bench),
-                          pd.read_parquet(sweep_path))
-        text = markdown(table, args.preset)
+        sweep_path = args.out / "convergence_sweep.parquet"
+        if args.init_only:
+            table = scan_rows(specs, bench)
+            text = scan_markdown(table, args.preset, [sweep.preset.describe(), *sweep.setting_notes()])
+        elif not sweep_path.exists():
+            raise SystemExit(f"{NAME}: {sweep_path} not found; run `python -m analyses.convergence --preset {args.preset} "
+                             f"--out {args.out}` first")
+        else:
+            table = agreement(scan_rows(specs, bench), pd.read_parquet(sweep_path))
+            text = markdown(table, args.preset)
         atomic_write(args.out / f"{NAME}.md", lambda tmp: open(tmp, "w", encoding="utf-8").write(text))
         save_plain_table(table, args.out, NAME)
         print(text.split("\n\n")[2])
