@@ -38,16 +38,12 @@ from gradscope.recorder.taps import (
     NormTap,
     Tap,
     first_tensor,
+    in_backward,
     main_input,
     replace_first,
 )
 
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm
-
-
-def _in_backward() -> bool:
-    """Whether a forward runs inside backward (activation checkpointing recomputing)."""
-    return not torch.compiler.is_compiling() and torch._C._current_autograd_node() is not None
 
 
 class Capture:
@@ -236,7 +232,7 @@ class Capture:
 
     def _call(self, i: int) -> tuple[int, bool]:
         """(call index clipped to max_calls, inside a recompute) for the next call of counter ``i``."""
-        if _in_backward():
+        if in_backward():
             calls = max(self.calls[i], 1)
             c = calls - 1 - self.recalls[i] % calls  # recomputes run in reverse order of the forward
             self.recalls[i] += 1

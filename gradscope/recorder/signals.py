@@ -44,13 +44,9 @@ import torch
 from torch import nn
 
 from gradscope.recorder.layout import Layout, is_norm
-from gradscope.recorder.taps import first_tensor
+from gradscope.recorder.taps import first_tensor, in_backward
 
 QUERIES = 64  # queries sampled per sequence for the attention signals
-
-
-def _in_backward() -> bool:
-    return not torch.compiler.is_compiling() and torch._C._current_autograd_node() is not None
 
 
 @dataclass
@@ -206,7 +202,7 @@ class Signals:
         a = self.attention[i]
 
         def hook(module, args, kwargs):
-            if not (self.want_attention and self.is_on()) or _in_backward():
+            if not (self.want_attention and self.is_on()) or in_backward():
                 return None
             named = dict(zip(a.params, args))
             named.update(kwargs)
@@ -285,7 +281,7 @@ class Signals:
 
     def _sublayer(self, j: int):
         def hook(module, args, output):
-            if not (self.want_rms and self.is_on()) or _in_backward():
+            if not (self.want_rms and self.is_on()) or in_backward():
                 return None
             t = first_tensor(output)
             if t is None or not t.is_floating_point():
@@ -298,7 +294,7 @@ class Signals:
         return hook
 
     def _output(self, module, args, output):
-        if not (self.want_logits and self.is_on()) or _in_backward():
+        if not (self.want_logits and self.is_on()) or in_backward():
             return None
         t = getattr(output, "logits", None)
         t = t if isinstance(t, torch.Tensor) else first_tensor(output)

@@ -9,6 +9,11 @@ import torch.nn.functional as F
 from gradscope.recorder.norm_stats import isolated_grad_sq
 
 
+def in_backward() -> bool:
+    """Whether a forward runs inside backward (activation checkpointing recomputing)."""
+    return not torch.compiler.is_compiling() and torch._C._current_autograd_node() is not None
+
+
 class Tap(torch.autograd.Function):
     """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
     (fp32) at ``slot`` of the probe's gradient. Run eagerly (``capture`` given), it hands
