@@ -262,3 +262,37 @@ def test_z_loss_adds_its_term_to_the_gradient_and_keeps_the_logged_loss_the_cros
     first = lambda r: r.history.query("quantity == 'loss'").sort_values("step").value.iloc[0]  # noqa: E731
     assert first(plain) == pytest.approx(first(with_z), rel=1e-6)  # step 1: same weights, same cross entropy
     assert any(not torch.equal(a, b) for a, b in zip(m0.parameters(), m1.parameters()))  # the z term trained
+
+
+class _NanoAttention(torch.nn.Module):
+    """nanoGPT's CausalSelfAttention, written here: one c_attn Linear to 3d, n_head heads."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.c_attn, self.c_proj, self.n_head = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d), heads
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in self.c_attn(x).split(C, 2))
+        return self.c_proj(torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+                           .transpose(1, 2).reshape(B, T, C))
+
+
+def test_nanogpt_style_attention_logits_equal_a_recomputation_from_its_c_attn():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_NanoAttention(16, 2), _NanoAttention(16, 2))
+    reference = copy.deepcopy(model)
+    x = torch.randn(3, 7, 16)
+    rec = gradscope.Recorder(model, quantities=["attn_logit_max", "attn_entropy"])
+    with rec.step(0):
+        model(x).sum().backward()
+    frame = rec.frame()
+    rec.close()
+    h = x
+    for i, m in enumerate(reference):
+        q, k, _ = m.c_attn(h).detach().split(16, dim=-1)
+        q, k = (t.view(3, 7, 2, 8).transpose(1, 2) for t in (q, k))
+        top, entropy = _stats(q @ k.transpose(-1, -2) / math.sqrt(8), torch.ones(7, 7, dtype=torch.bool).tril().expand(3, 2, 7, 7))
+        torch.testing.assert_close(_head_values(frame, "attn_logit_max", str(i)), top, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(_head_values(frame, "attn_entropy", str(i)), entropy, rtol=1e-5, atol=1e-6)
+        h = m(h)

@@ -22,7 +22,8 @@ Recognised attention modules (by what they hold, not by class name):
   Gemma. Rotary embeddings are applied when the module is called with
   ``position_embeddings=(cos, sin)`` covering the whole head (HF's ``rotate_half`` form);
   grouped-query heads are expanded;
-- a fused ``c_attn`` with ``split_size`` and ``num_heads`` (HF GPT-2 self-attention).
+- a fused ``c_attn`` with a head count, taken as causal self-attention (HF GPT-2's
+  ``split_size``/``num_heads``; nanoGPT's ``nn.Linear`` to 3d with ``n_head``).
 
 Not recognised (no attention rows; the Recorder warns when the quantity was asked for):
 fused ``query_key_value`` projections (GPT-NeoX, Falcon), partial rotary, x-transformers
@@ -73,6 +74,19 @@ def _heads(m: nn.Module) -> int | None:
     return getattr(getattr(m, "config", None), "num_attention_heads", None)
 
 
+def _fused_width(m: nn.Module) -> int | None:
+    """d of a causal self-attention with one fused q/k/v projection ``c_attn`` and a head
+    count (HF GPT-2: ``split_size``, ``num_heads``; nanoGPT: ``n_head``, ``c_attn`` an
+    ``nn.Linear`` to 3d), else None."""
+    c_attn = getattr(m, "c_attn", None)
+    if not isinstance(c_attn, nn.Module) or not isinstance(getattr(m, "num_heads", None) or getattr(m, "n_head", None), int):
+        return None
+    if isinstance(getattr(m, "split_size", None), int):
+        return m.split_size
+    out = c_attn.out_features if isinstance(c_attn, nn.Linear) else None
+    return out // 3 if out and out % 3 == 0 else None
+
+
 def find_attention(model: nn.Module) -> list[Attention]:
     """Every attention module of ``model`` whose q and k can be read (see the module docstring)."""
     found = []
@@ -90,13 +104,13 @@ def find_attention(model: nn.Module) -> list[Attention]:
                 name, m, qn if isinstance(qn, nn.Module) else q, kn if isinstance(kn, nn.Module) else k, heads, kv,
                 dim, float(scale) if isinstance(scale, (int, float)) else dim ** -0.5,
                 bool(getattr(m, "is_causal", False)), False, params))
-        elif isinstance(getattr(m, "c_attn", None), nn.Module) and isinstance(getattr(m, "split_size", None), int) \
-                and isinstance(getattr(m, "num_heads", None), int) and not getattr(m, "is_cross_attention", False):
-            dim = m.split_size // m.num_heads
+        elif (width := _fused_width(m)) and not getattr(m, "is_cross_attention", False):
+            heads = getattr(m, "num_heads", None) or m.n_head
+            dim = width // heads
             scale = dim ** -0.5 if getattr(m, "scale_attn_weights", True) else 1.0
             if getattr(m, "scale_attn_by_inverse_layer_idx", False):
                 scale /= float(getattr(m, "layer_idx", 0) + 1)
-            found.append(Attention(name, m, m.c_attn, m.c_attn, m.num_heads, m.num_heads, dim, scale, True, True, params))
+            found.append(Attention(name, m, m.c_attn, m.c_attn, heads, heads, dim, scale, True, True, params))
     return found
 
 
