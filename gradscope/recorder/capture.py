@@ -9,6 +9,10 @@ that is not recorded each hook returns at once. On a recorded step:
   norm of a backward arrives in one vector, with no Python hook in the backward and no
   host sync. The tap's output is a detached alias of its input (same storage, same version
   counter), so an in-place op after a site behaves exactly as without the recorder;
+- run eagerly (not traced), a module's output is tapped more cheaply: a pre-hook on the
+  autograd node that made it takes ‖grad‖ as backward passes (no node of ours, no Python
+  backward node); a gradient handed to two sites in a row is normed once. Inputs and norm
+  inputs keep the Tap, whose gradient is the one through that module alone;
 - forward statistics (the site's ‖h‖, a norm's w/σ, sampled rows for ``cosine``) are
   written in place into device buffers;
 - when ``probe.grad`` is accumulated (the end of each backward) one hook copies it and the
@@ -25,6 +29,9 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 """
 
 from __future__ import annotations
+
+import weakref
+from functools import partial
 
 import numpy as np
 import torch
@@ -81,6 +88,9 @@ class Capture:
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
         self.pending_grad: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖)
         self._last: tuple | None = None  # (tensor, version, its norm): the last site value normed, eagerly
+        self._last_grad: tuple | None = None  # (weakref to a gradient, its version, its norm), eagerly
+        self._epoch = 0  # counts recorded steps: an eager gradient hook of an earlier step stays silent
+        self._hooked_tensors: dict[int, weakref.ref] = {}  # slot -> the tensor its eager hook is on
         self._queued = False
         index = {p.name: i for i, p in enumerate(self.points)}
         self._norm_kind = [norm_kind(n.module) for n in layout.norms]
@@ -94,6 +104,11 @@ class Capture:
         fused = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k == "ln"}
         by_output = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k not in (None, "ln")}
         self._taps = [p.name not in norm_inputs or p.name in fused for p in self.points]
+        # Eagerly, a module's output is tapped by a tensor hook instead (no autograd node, no
+        # Python backward node, so cheaper), which sees the gradient of every use of that tensor.
+        # Not a norm's input, which wants the gradient through the norm alone, and not a
+        # module's input, which wants the gradient through that module alone: both keep the Tap.
+        self._hooked = [p.where == "output" and p.name not in norm_inputs for p in self.points]
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self._grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self._stack_pos = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
@@ -160,6 +175,8 @@ class Capture:
         self.calls = [0] * len(self.calls)
         self.recalls = [0] * len(self.calls)
         self.seq = 0
+        self._epoch += 1
+        self._hooked_tensors.clear()
         if attention or rms or logits:
             self.signals.begin(device, attention=attention, rms=rms, logits=logits)
         self.on = True
@@ -200,7 +217,7 @@ class Capture:
         self.marks[:] = 0
         self.pending_fwd.clear()
         self.pending_grad.clear()
-        self._last = None
+        self._last = self._last_grad = None
         self.recalls = [0] * len(self.recalls)
 
     def _mark(self, slot: int, value: float) -> None:
@@ -256,10 +273,49 @@ class Capture:
                 self._cosine(self.points[i].name, t)
         if not tap:
             return None
+        if self._hooked[i] and not torch.compiler.is_compiling():
+            self._hook_grad(t, slot, recompute)
+            return None
         out = Tap.apply(t, self.probe, slot, self._eager())
         if self._last is not None and self._last[0] is t:
             self._last = (out, out._version, self._last[2])  # the next site often receives this very tensor
         return out
+
+    def _hook_grad(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
+        """Eagerly, the cheaper tap on a module's output: a pre-hook on the node that made
+        ``t`` (no autograd node of ours, no Python backward node). It runs after every tensor
+        hook on ``t`` (so it sees the gradient that flows on, as a Tap would), and a later
+        in-place op on ``t`` gives ``t`` a new node, so it still sees the gradient of this value."""
+        if recompute:  # non-reentrant checkpointing hands the forward's own input tensor over again
+            seen = self._hooked_tensors.get(slot)
+            if seen is not None and seen() is t:
+                return
+        else:
+            self._hooked_tensors[slot] = weakref.ref(t)
+        node = t.grad_fn
+        if node is None:  # a leaf: its tensor hook
+            t.register_hook(partial(self._grad_hook, slot, self._epoch))
+        else:
+            node.register_prehook(partial(self._node_hook, slot, self._epoch, t.output_nr))
+
+    def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
+        grad = grads[output]
+        if grad is not None:
+            self._grad_hook(slot, epoch, grad)
+
+    def _grad_hook(self, slot: int, epoch: int, grad: torch.Tensor) -> None:
+        if self.on and epoch == self._epoch:  # not a tensor kept from an earlier step
+            self.add_grad(slot, self.grad_norm(grad))
+
+    def grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
+        """‖grad‖ (fp32), eagerly; a gradient that backward hands to two taps in a row (a
+        layer's output is the next layer's input) is normed once."""
+        last = self._last_grad
+        if last is not None and last[0]() is grad and last[1] == grad._version:
+            return last[2]
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        self._last_grad = (weakref.ref(grad), grad._version, norm)
+        return norm
 
     def _value_norm(self, t: torch.Tensor) -> torch.Tensor:
         """‖t‖; eagerly, a site that receives the very tensor (same version) the last site

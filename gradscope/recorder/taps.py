@@ -29,7 +29,7 @@ class Tap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.capture is not None:  # eager: hand ‖grad‖ over (squared once per micro-step), no padding or summing
-            ctx.capture.add_grad(ctx.slot, torch.linalg.vector_norm(grad, dtype=torch.float32))
+            ctx.capture.add_grad(ctx.slot, ctx.capture.grad_norm(grad))
             return grad, None, None, None
         sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
         return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
