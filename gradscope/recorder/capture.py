@@ -30,14 +30,12 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 
 from __future__ import annotations
 
-import weakref
-from functools import partial
-
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradscope.recorder.eager import EagerGrads
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
@@ -86,12 +84,8 @@ class Capture:
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step
         self.marks = np.zeros(self.n_slots)
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
-        self.pending_grad: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖)
         self._last: tuple | None = None  # (tensor, version, its norm): the last site value normed, eagerly
-        self._last_grad: tuple | None = None  # (weakref to a gradient, its version, its norm), eagerly
-        self._epoch = 0  # counts recorded steps: an eager gradient hook of an earlier step stays silent
-        self._hooked_tensors: dict[int, weakref.ref] = {}  # slot -> the tensor its eager hook is on
-        self._queued = False
+        self.eager = EagerGrads(self.snapshot, lambda: self.on)  # eager gradient norms (node hooks, Taps' norms)
         index = {p.name: i for i, p in enumerate(self.points)}
         self._norm_kind = [norm_kind(n.module) for n in layout.norms]
         self._norm_in = [index.get(n.site_in) for n in layout.norms]  # point whose gradient the norm gives
@@ -134,7 +128,7 @@ class Capture:
         """Removes every hook and lets the buffers go."""
         self.on = False
         self.pending_fwd.clear()
-        self.pending_grad.clear()
+        self.eager.reset_backward()
         for h in self.handles:
             h.remove()
         self.handles.clear()
@@ -157,7 +151,7 @@ class Capture:
         self.fwd.zero_()
         self.marks[:] = 0
         self.pending_fwd.clear()
-        self.pending_grad.clear()
+        self.eager.reset_backward()
         self.snapshots.clear()
         self.want_value, self.want_grad, self.want_wsig, self.want_cosine = value, grad, wsig, cosine
         if cosine:
@@ -175,8 +169,7 @@ class Capture:
         self.calls = [0] * len(self.calls)
         self.recalls = [0] * len(self.calls)
         self.seq = 0
-        self._epoch += 1
-        self._hooked_tensors.clear()
+        self.eager.begin()
         if attention or rms or logits:
             self.signals.begin(device, attention=attention, rms=rms, logits=logits)
         self.on = True
@@ -191,22 +184,15 @@ class Capture:
         snapshots, self.snapshots = self.snapshots, []
         return snapshots, list(self.calls)
 
-    def add_grad(self, slot: int, norm: torch.Tensor) -> None:
-        """An eager tap's ‖grad‖; the end of this backward takes the snapshot."""
-        self.pending_grad.append((slot, norm))
-        if not self._queued:
-            self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self.snapshot)
-
     def snapshot(self) -> None:
         """Sets this micro-step's captures aside: at the end of a backward (the probe's
         gradient accumulated, or the eager taps' callback) and at the end of the step."""
-        self._queued = False
         grads = self.probe.grad if self.probe.grad is not None else torch.zeros(self.n_taps, device=self.device)
         self.probe.grad = None
-        if self.pending_grad:
-            idx = torch.tensor([s for s, _ in self.pending_grad], device=self.device)
-            grads = grads.index_add(0, idx, torch.stack([v for _, v in self.pending_grad]).square())
+        pending = self.eager.pending
+        if pending:
+            idx = torch.tensor([s for s, _ in pending], device=self.device)
+            grads = grads.index_add(0, idx, torch.stack([v for _, v in pending]).square())
         fwd = self.fwd.clone()
         if self.pending_fwd:
             rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)
@@ -216,8 +202,8 @@ class Capture:
         self.fwd.zero_()
         self.marks[:] = 0
         self.pending_fwd.clear()
-        self.pending_grad.clear()
-        self._last = self._last_grad = None
+        self.eager.reset_backward()
+        self._last = None
         self.recalls = [0] * len(self.recalls)
 
     def _mark(self, slot: int, value: float) -> None:
@@ -232,9 +218,9 @@ class Capture:
         else:
             self.pending_fwd.append((slot, channel, value))
 
-    def _eager(self):
-        """The capture itself when running eagerly (taps report to it), None when traced."""
-        return None if torch.compiler.is_compiling() else self
+    def _eager(self) -> EagerGrads | None:
+        """Where a Tap hands its ‖grad‖ when running eagerly; None when traced."""
+        return None if torch.compiler.is_compiling() else self.eager
 
     # -- hooks ----------------------------------------------------------------------------
     def _root_pre(self, module, args, kwargs):
@@ -274,48 +260,12 @@ class Capture:
         if not tap:
             return None
         if self._hooked[i] and not torch.compiler.is_compiling():
-            self._hook_grad(t, slot, recompute)
+            self.eager.hook(t, slot, recompute)
             return None
         out = Tap.apply(t, self.probe, slot, self._eager())
         if self._last is not None and self._last[0] is t:
             self._last = (out, out._version, self._last[2])  # the next site often receives this very tensor
         return out
-
-    def _hook_grad(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
-        """Eagerly, the cheaper tap on a module's output: a pre-hook on the node that made
-        ``t`` (no autograd node of ours, no Python backward node). It runs after every tensor
-        hook on ``t`` (so it sees the gradient that flows on, as a Tap would), and a later
-        in-place op on ``t`` gives ``t`` a new node, so it still sees the gradient of this value."""
-        if recompute:  # non-reentrant checkpointing hands the forward's own input tensor over again
-            seen = self._hooked_tensors.get(slot)
-            if seen is not None and seen() is t:
-                return
-        else:
-            self._hooked_tensors[slot] = weakref.ref(t)
-        node = t.grad_fn
-        if node is None:  # a leaf: its tensor hook
-            t.register_hook(partial(self._grad_hook, slot, self._epoch))
-        else:
-            node.register_prehook(partial(self._node_hook, slot, self._epoch, t.output_nr))
-
-    def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
-        grad = grads[output]
-        if grad is not None:
-            self._grad_hook(slot, epoch, grad)
-
-    def _grad_hook(self, slot: int, epoch: int, grad: torch.Tensor) -> None:
-        if self.on and epoch == self._epoch:  # not a tensor kept from an earlier step
-            self.add_grad(slot, self.grad_norm(grad))
-
-    def grad_norm(self, grad: torch.Tensor) -> torch.Tensor:
-        """‖grad‖ (fp32), eagerly; a gradient that backward hands to two taps in a row (a
-        layer's output is the next layer's input) is normed once."""
-        last = self._last_grad
-        if last is not None and last[0]() is grad and last[1] == grad._version:
-            return last[2]
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        self._last_grad = (weakref.ref(grad), grad._version, norm)
-        return norm
 
     def _value_norm(self, t: torch.Tensor) -> torch.Tensor:
         """‖t‖; eagerly, a site that receives the very tensor (same version) the last site

@@ -222,7 +222,7 @@ class Recorder:
         self._capture.on = False
         self._capture.snapshots.clear()
         self._capture.pending_fwd.clear()
-        self._capture.pending_grad.clear()
+        self._capture.eager.reset_backward()
         self._step, self._buffer, self._recording = None, None, False
 
     @property

@@ -16,20 +16,21 @@ def in_backward() -> bool:
 
 class Tap(torch.autograd.Function):
     """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
-    (fp32) at ``slot`` of the probe's gradient. Run eagerly (``capture`` given), it hands
-    ‖grad‖² to the capture instead, which saves the probe's padding and summing."""
+    (fp32) at ``slot`` of the probe's gradient. Run eagerly (``eager`` given: an
+    :class:`~gradscope.recorder.eager.EagerGrads`), it hands ‖grad‖ to that instead, which
+    saves the probe's padding and summing."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, probe: torch.Tensor, slot: int, capture) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, probe: torch.Tensor, slot: int, eager) -> torch.Tensor:
         # (forward takes ctx itself: a separate setup_context makes every eager apply bind its
         # arguments through inspect.signature, which costs more than the rest of the tap)
-        ctx.slot, ctx.size, ctx.capture = slot, probe.shape[0], capture
+        ctx.slot, ctx.size, ctx.eager = slot, probe.shape[0], eager
         return x.detach()  # an alias, not a view: in-place ops after the site stay legal
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.capture is not None:  # eager: hand ‖grad‖ over (squared once per micro-step), no padding or summing
-            ctx.capture.add_grad(ctx.slot, ctx.capture.grad_norm(grad))
+        if ctx.eager is not None:  # eager: hand ‖grad‖ over (squared once per micro-step), no padding or summing
+            ctx.eager.add(ctx.slot, ctx.eager.norm(grad))
             return grad, None, None, None
         sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
         return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
@@ -40,8 +41,8 @@ class NormTap(torch.autograd.Function):
     alone, at its input; :func:`~gradscope.recorder.norm_stats.isolated_grad_sq`) at ``slot``."""
 
     @staticmethod
-    def forward(ctx, y, x, probe, slot, kind, w, is_ln, eps, dims, capture):
-        ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.capture, ctx.size = slot, kind, eps, dims, capture, probe.shape[0]
+    def forward(ctx, y, x, probe, slot, kind, w, is_ln, eps, dims, eager):
+        ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.eager, ctx.size = slot, kind, eps, dims, eager, probe.shape[0]
         ctx.save_for_backward(x, w, is_ln)
         return y.detach()
 
@@ -49,8 +50,8 @@ class NormTap(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         x, w, is_ln = ctx.saved_tensors
         sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
-        if ctx.capture is not None:
-            ctx.capture.add_grad(ctx.slot, sq.sqrt())
+        if ctx.eager is not None:
+            ctx.eager.add(ctx.slot, sq.sqrt())
             return grad, None, None, None, None, None, None, None, None, None
         sq = F.pad(sq.reshape(1), (ctx.slot, ctx.size - ctx.slot - 1))
         return grad, None, sq, None, None, None, None, None, None, None

@@ -1,0 +1,97 @@
+"""Activation-gradient norms when the model runs eagerly (not traced by Dynamo).
+
+Traced, every tap is a :class:`~gradscope.recorder.taps.Tap` whose backward writes ‖grad‖²
+into the probe's gradient, inside the graph. Eagerly, the same numbers are taken more
+cheaply:
+
+- a module's output gets a pre-hook on the autograd node that made it (no autograd node of
+  ours and no Python backward node, ≈1 µs to register). A node pre-hook runs after every
+  tensor hook on that output, so it sees the gradient that flows on, as a Tap would; a
+  later in-place op on the output gives the tensor a new node, so the hook still sees the
+  gradient of the value at the site;
+- module inputs and norm inputs keep the Tap, whose gradient is the one through that module
+  alone (the residual path is not counted), and hand ‖grad‖ over here;
+- a gradient that backward hands to two sites in a row (a layer's output is the next
+  layer's input) is normed once.
+
+The norms wait as 0-d tensors until the end of that backward, when the capture gathers
+them in one ``index_add`` (one snapshot per micro-step).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from functools import partial
+
+import torch
+
+
+class EagerGrads:
+    """The eager side of gradient capture for one :class:`~gradscope.recorder.capture.Capture`.
+
+    Args:
+        on_backward_end: called once at the end of each backward that delivered a norm.
+        is_on: whether a recorded step is open.
+    """
+
+    def __init__(self, on_backward_end: Callable[[], None], is_on: Callable[[], bool]) -> None:
+        self._is_on = is_on
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖)
+        self._on_backward_end = on_backward_end
+        self._queued = False
+        self._epoch = 0  # counts recorded steps: a hook left on a tensor of an earlier step stays silent
+        self._last: tuple | None = None  # (weakref to a gradient, its version, its norm)
+        self._hooked: dict[int, weakref.ref] = {}  # slot -> the tensor its node hook was put for
+
+    def begin(self) -> None:
+        """A new recorded step."""
+        self._epoch += 1
+        self._hooked.clear()
+        self.pending.clear()
+        self._last = None
+
+    def reset_backward(self) -> None:
+        """Forgets the norms taken (after the capture gathered them)."""
+        self._queued = False
+        self.pending.clear()
+        self._last = None
+
+    def hook(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
+        """Takes ‖∂loss/∂t‖ into ``slot`` when backward reaches ``t``."""
+        if recompute:  # non-reentrant checkpointing hands the forward's own input tensor over again
+            seen = self._hooked.get(slot)
+            if seen is not None and seen() is t:
+                return
+        else:
+            self._hooked[slot] = weakref.ref(t)
+        node = t.grad_fn
+        if node is None:  # a leaf: its tensor hook
+            t.register_hook(partial(self._tensor_hook, slot, self._epoch))
+        else:
+            node.register_prehook(partial(self._node_hook, slot, self._epoch, t.output_nr))
+
+    def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
+        grad = grads[output]
+        if grad is not None:
+            self._tensor_hook(slot, epoch, grad)
+
+    def _tensor_hook(self, slot: int, epoch: int, grad: torch.Tensor) -> None:
+        if epoch == self._epoch and self._is_on():  # not a tensor kept from an earlier step
+            self.add(slot, self.norm(grad))
+
+    def norm(self, grad: torch.Tensor) -> torch.Tensor:
+        """‖grad‖ (fp32); the gradient the previous call saw (same object, same version) is not normed again."""
+        last = self._last
+        if last is not None and last[0]() is grad and last[1] == grad._version:
+            return last[2]
+        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
+        self._last = (weakref.ref(grad), grad._version, norm)
+        return norm
+
+    def add(self, slot: int, norm: torch.Tensor) -> None:
+        """One ‖grad‖ for ``slot``; the end of this backward hands the norms to the capture."""
+        self.pending.append((slot, norm))
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
