@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from recorder_ref import assert_rel, norm_gains
+from recorder_ref import assert_rel, norm_gains, site_gradients
 from torch import nn
 from zoo_cases import batch, tiny
 
@@ -223,3 +223,24 @@ def test_no_layer_stack_warns_that_cosine_has_no_rows():
     with pytest.warns(UserWarning, match="no cosine rows"):
         with gradscope.record(model, quantities=["cosine", "act_grad_norm"], slow_every=1):
             model(torch.randn(2, 3, 8)).sum().backward()
+
+
+def test_a_graph_kept_from_an_earlier_step_writes_nothing_into_this_one():
+    """Step 0's graph is kept (retain_graph) and backward runs through it again in step 1:
+    step 0's hooks and taps stay silent, so step 1 holds the gradients of its own sites."""
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    first, second = batch(model.config), batch(model.config, seed=1)
+    sites = {n: (m, "output") for n, m in model.named_modules() if isinstance(m, gradscope.Site)}
+    ref, _ = site_gradients(model, sites, lambda: _loss(model, second))
+    model.zero_grad()
+    rec = gradscope.Recorder(model, quantities=["act_grad_norm"])
+    with rec.step(0):
+        kept = _loss(model, first)
+        kept.backward(retain_graph=True)
+    with rec.step(1):
+        (_loss(model, second) + kept).backward()
+    got = _values(rec.frame().query("step == 1"), "act_grad_norm")
+    assert got.keys() == ref.keys()
+    for name, value in ref.items():
+        assert_rel(got[name], value, rel=1e-5, what=name)

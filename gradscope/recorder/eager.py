@@ -77,8 +77,18 @@ class EagerGrads:
             self._tensor_hook(slot, epoch, grad)
 
     def _tensor_hook(self, slot: int, epoch: int, grad: torch.Tensor) -> None:
-        if epoch == self._epoch and self._is_on():  # not a tensor kept from an earlier step
+        if self.live(epoch):
             self.add(slot, self.norm(grad))
+
+    @property
+    def epoch(self) -> int:
+        """The recorded step's number (a hook or Tap keeps the one it was made in)."""
+        return self._epoch
+
+    def live(self, epoch: int) -> bool:
+        """Whether a hook or Tap made in ``epoch`` may report: not one on a graph kept from an
+        earlier step (``retain_graph=True``) that backward runs through again."""
+        return epoch == self._epoch and self._is_on()
 
     def norm(self, grad: torch.Tensor) -> torch.Tensor:
         """‖grad‖ (fp32); the gradient the previous call saw (same object, same version) is not normed again."""

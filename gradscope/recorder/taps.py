@@ -25,12 +25,14 @@ class Tap(torch.autograd.Function):
         # (forward takes ctx itself: a separate setup_context makes every eager apply bind its
         # arguments through inspect.signature, which costs more than the rest of the tap)
         ctx.slot, ctx.size, ctx.eager = slot, probe.shape[0], eager
+        ctx.epoch = None if eager is None else eager.epoch
         return x.detach()  # an alias, not a view: in-place ops after the site stay legal
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         if ctx.eager is not None:  # eager: hand ‖grad‖ over (squared once per micro-step), no padding or summing
-            ctx.eager.add(ctx.slot, ctx.eager.norm(grad))
+            if ctx.eager.live(ctx.epoch):
+                ctx.eager.add(ctx.slot, ctx.eager.norm(grad))
             return grad, None, None, None
         sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
         return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
@@ -43,11 +45,14 @@ class NormTap(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y, x, probe, slot, kind, w, is_ln, eps, dims, eager):
         ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.eager, ctx.size = slot, kind, eps, dims, eager, probe.shape[0]
+        ctx.epoch = None if eager is None else eager.epoch
         ctx.save_for_backward(x, w, is_ln)
         return y.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        if ctx.eager is not None and not ctx.eager.live(ctx.epoch):
+            return grad, None, None, None, None, None, None, None, None, None
         x, w, is_ln = ctx.saved_tensors
         sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
         if ctx.eager is not None:
