@@ -35,6 +35,9 @@ class ZooModel(nn.Module):
     """Base of the zoo models; ``stacks()`` lists the stacks by name."""
 
     pad_id: int
+    # No op of the zoo modifies a Site's output in place, so the recorder may read a Site's
+    # gradient eagerly at a cheap alias of its output (asked for by name; see recorder/eager.py).
+    site_outputs_never_modified_in_place = True
 
     def stacks(self) -> dict[str, Stack]:
         """Name → stack, encoder first."""

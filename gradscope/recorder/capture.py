@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from gradscope.recorder.eager import EagerGrads
+from gradscope.recorder.eager import EagerGrads, hookable
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
@@ -98,11 +98,11 @@ class Capture:
         fused = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k == "ln"}
         by_output = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k not in (None, "ln")}
         self._taps = [p.name not in norm_inputs or p.name in fused for p in self.points]
-        # Eagerly, a module's output is tapped by a tensor hook instead (no autograd node, no
-        # Python backward node, so cheaper), which sees the gradient of every use of that tensor.
+        # Eagerly, a module's output may be read more cheaply by a node hook (recorder/eager.py).
         # Not a norm's input, which wants the gradient through the norm alone, and not a
         # module's input, which wants the gradient through that module alone: both keep the Tap.
         self._hooked = [p.where == "output" and p.name not in norm_inputs for p in self.points]
+        self._alias_ok = bool(getattr(model, "site_outputs_never_modified_in_place", False))
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self._grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self._stack_pos = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
@@ -119,7 +119,7 @@ class Capture:
             self.handles.append(norm.module.register_forward_hook(self._norm_hook(j), with_kwargs=True))
         for i, p in enumerate(self.points):
             if p.where == "output":
-                self.handles.append(p.module.register_forward_hook(self._output_hook(i)))
+                self.handles.append(p.module.register_forward_hook(self._output_hook(i), with_kwargs=True))
             else:
                 self.handles.append(p.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
         self.signals.install(attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
@@ -187,6 +187,8 @@ class Capture:
     def snapshot(self) -> None:
         """Sets this micro-step's captures aside: at the end of a backward (the probe's
         gradient accumulated, or the eager taps' callback) and at the end of the step."""
+        if self.probe is None:  # closed (a graph kept past close() ran backward again)
+            return
         grads = self.probe.grad if self.probe.grad is not None else torch.zeros(self.n_taps, device=self.device)
         self.probe.grad = None
         pending = self.eager.pending
@@ -244,8 +246,9 @@ class Capture:
         self.calls[i] = c + 1
         return min(c, self.K - 1), False
 
-    def _observe(self, i: int, t: torch.Tensor) -> torch.Tensor | None:
-        """Statistics of one site value; returns the tapped value (or None to keep it)."""
+    def _observe(self, i: int, t: torch.Tensor, module_args: tuple = ((), {})) -> torch.Tensor | None:
+        """Statistics of one site value; returns the tapped value (or None to keep it).
+        ``module_args``: (args, kwargs) of the module whose output ``t`` is."""
         c, recompute = self._call(i)
         slot = i * self.K + c
         grad = self.want_grad and t.requires_grad and torch.is_grad_enabled()
@@ -260,9 +263,16 @@ class Capture:
         if not tap:
             return None
         if self._hooked[i] and not torch.compiler.is_compiling():
-            self.eager.hook(t, slot, recompute)
-            return None
-        out = Tap.apply(t, self.probe, slot, self._eager())
+            if hookable(t, *module_args):
+                self.eager.hook(t, slot, recompute)
+                return None
+            if self._alias_ok:
+                out = torch.ops.aten.alias(t)
+                self.eager.hook(out, slot, recompute)
+                return self._passed_on(t, out)
+        return self._passed_on(t, Tap.apply(t, self.probe, slot, self._eager()))
+
+    def _passed_on(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self._last is not None and self._last[0] is t:
             self._last = (out, out._version, self._last[2])  # the next site often receives this very tensor
         return out
@@ -280,13 +290,13 @@ class Capture:
         return norm
 
     def _output_hook(self, i: int):
-        def hook(module, args, output):
+        def hook(module, args, kwargs, output):
             if not self.on:
                 return None
             t = first_tensor(output)
             if t is None or not t.is_floating_point():
                 return None
-            new = self._observe(i, t)
+            new = self._observe(i, t, (args, kwargs))
             return None if new is None else replace_first(output, new)
 
         return hook

@@ -4,11 +4,18 @@ Traced, every tap is a :class:`~gradscope.recorder.taps.Tap` whose backward writ
 into the probe's gradient, inside the graph. Eagerly, the same numbers are taken more
 cheaply:
 
-- a module's output gets a pre-hook on the autograd node that made it (no autograd node of
-  ours and no Python backward node, ≈1 µs to register). A node pre-hook runs after every
-  tensor hook on that output, so it sees the gradient that flows on, as a Tap would; a
-  later in-place op on the output gives the tensor a new node, so the hook still sees the
-  gradient of the value at the site;
+- a module's output that the module made itself (no input passed through, no leaf, no
+  view) gets a pre-hook on the autograd node that made it (no autograd node of ours and no
+  Python backward node, ≈1 µs to register). Every use of that tensor is downstream of the
+  site; a node pre-hook runs after every tensor hook on it, so it sees the gradient that
+  flows on, as a Tap would; a later in-place op gives the tensor a new node, so the hook
+  still sees the gradient of the value at the site;
+- an output that is one of the module's inputs (an identity :class:`~gradscope.Site`), a
+  leaf or a view keeps the Tap, unless the model promises that no Site output is modified
+  in place (``site_outputs_never_modified_in_place``, as the zoo does): then the output is
+  replaced by an alias (``aten.alias``, a C++ node that hands the gradient on unchanged)
+  and the alias's node is hooked. An in-place op on such an alias would move its history
+  off that node, which is why the promise is needed;
 - module inputs and norm inputs keep the Tap, whose gradient is the one through that module
   alone (the residual path is not counted), and hand ‖grad‖ over here;
 - a gradient that backward hands to two sites in a row (a layer's output is the next
@@ -25,6 +32,16 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+
+
+def hookable(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+    """Whether a module's output ``t`` can be read by a hook on the node that made it: the
+    module made it (it is none of its inputs, so every use of ``t`` is downstream of the
+    site), it is no leaf, and no view (an in-place op on a view moves its history off that
+    node). Otherwise the Tap, or an alias when the model promises no in-place op after a site."""
+    if t.grad_fn is None or t._is_view():
+        return False
+    return not any(a is t for a in args) and not any(v is t for v in kwargs.values())
 
 
 class EagerGrads:
@@ -58,18 +75,15 @@ class EagerGrads:
         self._last = None
 
     def hook(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
-        """Takes ‖∂loss/∂t‖ into ``slot`` when backward reaches ``t``."""
-        if recompute:  # non-reentrant checkpointing hands the forward's own input tensor over again
+        """Takes ‖∂loss/∂t‖ into ``slot`` when backward reaches the node that made ``t``
+        (``t``: a non-leaf tensor the module made itself, or an alias; see :func:`hookable`)."""
+        if recompute:  # non-reentrant checkpointing hands the forward's own tensor over again
             seen = self._hooked.get(slot)
             if seen is not None and seen() is t:
                 return
         else:
             self._hooked[slot] = weakref.ref(t)
-        node = t.grad_fn
-        if node is None:  # a leaf: its tensor hook
-            t.register_hook(partial(self._tensor_hook, slot, self._epoch))
-        else:
-            node.register_prehook(partial(self._node_hook, slot, self._epoch, t.output_nr))
+        t.grad_fn.register_prehook(partial(self._node_hook, slot, self._epoch, t.output_nr))
 
     def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
         grad = grads[output]
