@@ -9,10 +9,10 @@ that is not recorded each hook returns at once. On a recorded step:
   norm of a backward arrives in one vector, with no Python hook in the backward and no
   host sync. The tap's output is a detached alias of its input (same storage, same version
   counter), so an in-place op after a site behaves exactly as without the recorder;
-- run eagerly (not traced), a module's output is tapped more cheaply: a pre-hook on the
-  autograd node that made it takes ‖grad‖ as backward passes (no node of ours, no Python
-  backward node); a gradient handed to two sites in a row is normed once. Inputs and norm
-  inputs keep the Tap, whose gradient is the one through that module alone;
+- run eagerly (not traced), a module's output is read more cheaply where that is exact: by
+  a pre-hook on the autograd node that made it, or on an alias of it
+  (:mod:`gradscope.recorder.eager` says when). Inputs and norm inputs keep the Tap, whose
+  gradient is the one through that module alone;
 - forward statistics (the site's ‖h‖, a norm's w/σ, sampled rows for ``cosine``) are
   written in place into device buffers;
 - when ``probe.grad`` is accumulated (the end of each backward) one hook copies it and the

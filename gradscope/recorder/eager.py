@@ -87,11 +87,7 @@ class EagerGrads:
 
     def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
         grad = grads[output]
-        if grad is not None:
-            self._tensor_hook(slot, epoch, grad)
-
-    def _tensor_hook(self, slot: int, epoch: int, grad: torch.Tensor) -> None:
-        if self.live(epoch):
+        if grad is not None and self.live(epoch):
             self.add(slot, self.norm(grad))
 
     @property
