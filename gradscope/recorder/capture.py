@@ -39,6 +39,7 @@ from gradscope.recorder.eager import EagerGrads, hookable
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
+from gradscope.recorder.sqnorm import squared_norm
 from gradscope.recorder.taps import (
     NormTap,
     Tap,
@@ -84,7 +85,8 @@ class Capture:
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step
         self.marks = np.zeros(self.n_slots)
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
-        self._last: tuple | None = None  # (tensor, version, its norm): the last site value normed, eagerly
+        self.pending_sq: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖h‖²): site values, eagerly
+        self._last: tuple | None = None  # (tensor, version, ‖t‖²): the last site value reduced, eagerly
         self.eager = EagerGrads(self.snapshot, lambda: self.on)  # eager gradient norms (node hooks, Taps' norms)
         index = {p.name: i for i, p in enumerate(self.points)}
         self._norm_kind = [norm_kind(n.module) for n in layout.norms]
@@ -100,9 +102,18 @@ class Capture:
         self._taps = [p.name not in norm_inputs or p.name in fused for p in self.points]
         # Eagerly, a module's output may be read more cheaply by a node hook (recorder/eager.py).
         # Not a norm's input, which wants the gradient through the norm alone, and not a
-        # module's input, which wants the gradient through that module alone: both keep the Tap.
+        # module's input, which wants the gradient through that module alone.
         self._hooked = [p.where == "output" and p.name not in norm_inputs for p in self.points]
         self._alias_ok = bool(getattr(model, "site_outputs_never_modified_in_place", False))
+        # Where no in-place op can follow, an alias (a C++ node of its own) stands in for the Tap:
+        # the outputs of a promising model's Sites, and the input of a fused norm that only the
+        # norm reads: a SiteNorm's ``in`` Site (the zoo) or what nn.LayerNorm itself receives
+        # (its forward modifies nothing in place). The alias's node then sees exactly the
+        # gradient the Tap would, through that norm alone.
+        plain_ln = {n.site_in for n in layout.norms if type(n.module).forward is nn.LayerNorm.forward}
+        self._alias = [(self._hooked[i] and self._alias_ok)
+                       or (p.name in fused and (self._alias_ok if p.where == "output" else p.name in plain_ln))
+                       for i, p in enumerate(self.points)]
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self._grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self._stack_pos = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
@@ -124,17 +135,22 @@ class Capture:
                 self.handles.append(p.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
         self.signals.install(attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
 
+    def discard(self) -> None:
+        """Disarms the hooks and drops what the open step captured so far."""
+        self.on = False
+        self.snapshots.clear()
+        self.pending_fwd.clear()
+        self.pending_sq.clear()
+        self.eager.reset_backward()
+
     def remove(self) -> None:
         """Removes every hook and lets the buffers go."""
-        self.on = False
-        self.pending_fwd.clear()
-        self.eager.reset_backward()
+        self.discard()
         for h in self.handles:
             h.remove()
         self.handles.clear()
         self.signals.remove()
         self.probe = self.fwd = None
-        self.snapshots.clear()
 
     # -- per recorded step ----------------------------------------------------------------
     def begin(self, device: torch.device, *, value: bool, grad: bool, wsig: bool, cosine: bool,
@@ -150,9 +166,7 @@ class Capture:
         self.probe.grad = None
         self.fwd.zero_()
         self.marks[:] = 0
-        self.pending_fwd.clear()
-        self.eager.reset_backward()
-        self.snapshots.clear()
+        self.discard()
         self.want_value, self.want_grad, self.want_wsig, self.want_cosine = value, grad, wsig, cosine
         if cosine:
             self.cosine_tokens = cosine_tokens
@@ -194,16 +208,20 @@ class Capture:
         pending = self.eager.pending
         if pending:
             idx = torch.tensor([s for s, _ in pending], device=self.device)
-            grads = grads.index_add(0, idx, torch.stack([v for _, v in pending]).square())
+            grads = grads.index_add(0, idx, torch.stack([v for _, v in pending]))
         fwd = self.fwd.clone()
         if self.pending_fwd:
             rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)
             cols = torch.tensor([c for _, c, _ in self.pending_fwd], device=self.device)
             fwd.index_put_((rows, cols), torch.stack([v.float() for _, _, v in self.pending_fwd]))
+        if self.pending_sq:
+            rows = torch.tensor([s for s, _ in self.pending_sq], device=self.device)
+            fwd[rows, 1] = torch.stack([v for _, v in self.pending_sq]).sqrt()
         self.snapshots.append((grads, fwd, self.marks.copy()))
         self.fwd.zero_()
         self.marks[:] = 0
         self.pending_fwd.clear()
+        self.pending_sq.clear()
         self.eager.reset_backward()
         self._last = None
         self.recalls = [0] * len(self.recalls)
@@ -257,16 +275,16 @@ class Capture:
             self.seq += 1
             self._mark(slot, self.seq if grad and self._grad_expected[i] else -self.seq)
             if self.want_value:
-                self._put(slot, 1, self._value_norm(t))
+                self._put_value(slot, t)
             if self.want_cosine and slot % self.K == 0:
                 self._cosine(self.points[i].name, t)
         if not tap:
             return None
-        if self._hooked[i] and not torch.compiler.is_compiling():
-            if hookable(t, *module_args):
+        if not torch.compiler.is_compiling():
+            if self._hooked[i] and hookable(t, *module_args):
                 self.eager.hook(t, slot, recompute)
                 return None
-            if self._alias_ok:
+            if self._alias[i]:
                 out = torch.ops.aten.alias(t)
                 self.eager.hook(out, slot, recompute)
                 return self._passed_on(t, out)
@@ -277,17 +295,21 @@ class Capture:
             self._last = (out, out._version, self._last[2])  # the next site often receives this very tensor
         return out
 
-    def _value_norm(self, t: torch.Tensor) -> torch.Tensor:
-        """‖t‖; eagerly, a site that receives the very tensor (same version) the last site
-        passed on reuses its norm (a layer's ``out`` is the next layer's ``in``)."""
+    def _put_value(self, slot: int, t: torch.Tensor) -> None:
+        """‖t‖ into the value channel. Traced, straight into the forward buffer; eagerly ‖t‖²
+        waits for the snapshot (one square root for all), and a site that receives the very
+        tensor (same version) the last site passed on reuses it (a layer's ``out`` is the
+        next layer's ``in``)."""
         if torch.compiler.is_compiling():
-            return torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+            self.fwd[slot, 1] = torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+            return
         last = self._last
         if last is not None and last[0] is t and last[1] == t._version:
-            return last[2]
-        norm = torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
-        self._last = (t, t._version, norm)
-        return norm
+            sq = last[2]
+        else:
+            sq = squared_norm(t)
+            self._last = (t, t._version, sq)
+        self.pending_sq.append((slot, sq))
 
     def _output_hook(self, i: int):
         def hook(module, args, kwargs, output):

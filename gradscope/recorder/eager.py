@@ -21,8 +21,9 @@ cheaply:
 - a gradient that backward hands to two sites in a row (a layer's output is the next
   layer's input) is normed once.
 
-The norms wait as 0-d tensors until the end of that backward, when the capture gathers
-them in one ``index_add`` (one snapshot per micro-step).
+The squared norms (:func:`~gradscope.recorder.sqnorm.squared_norm`) wait as 0-d tensors
+until the end of that backward, when the capture gathers them in one ``index_add`` (one
+snapshot per micro-step).
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+
+from gradscope.recorder.sqnorm import squared_norm
 
 
 def hookable(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
@@ -54,11 +57,11 @@ class EagerGrads:
 
     def __init__(self, on_backward_end: Callable[[], None], is_on: Callable[[], bool]) -> None:
         self._is_on = is_on
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖)
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖²)
         self._on_backward_end = on_backward_end
         self._queued = False
         self._epoch = 0  # counts recorded steps: a hook left on a tensor of an earlier step stays silent
-        self._last: tuple | None = None  # (weakref to a gradient, its version, its norm)
+        self._last: tuple | None = None  # (weakref to a gradient, its version, its squared norm)
         self._hooked: dict[int, weakref.ref] = {}  # slot -> the tensor its node hook was put for
 
     def begin(self) -> None:
@@ -75,7 +78,7 @@ class EagerGrads:
         self._last = None
 
     def hook(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
-        """Takes ‖∂loss/∂t‖ into ``slot`` when backward reaches the node that made ``t``
+        """Takes ‖∂loss/∂t‖² into ``slot`` when backward reaches the node that made ``t``
         (``t``: a non-leaf tensor the module made itself, or an alias; see :func:`hookable`)."""
         if recompute:  # non-reentrant checkpointing hands the forward's own tensor over again
             seen = self._hooked.get(slot)
@@ -88,7 +91,7 @@ class EagerGrads:
     def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
         grad = grads[output]
         if grad is not None and self.live(epoch):
-            self.add(slot, self.norm(grad))
+            self.add(slot, self.squared_norm(grad))
 
     @property
     def epoch(self) -> int:
@@ -100,18 +103,18 @@ class EagerGrads:
         earlier step (``retain_graph=True``) that backward runs through again."""
         return epoch == self._epoch and self._is_on()
 
-    def norm(self, grad: torch.Tensor) -> torch.Tensor:
-        """‖grad‖ (fp32); the gradient the previous call saw (same object, same version) is not normed again."""
+    def squared_norm(self, grad: torch.Tensor) -> torch.Tensor:
+        """‖grad‖² (fp32); the gradient the previous call saw (same object, same version) is not reduced again."""
         last = self._last
         if last is not None and last[0]() is grad and last[1] == grad._version:
             return last[2]
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        self._last = (weakref.ref(grad), grad._version, norm)
-        return norm
+        sq = squared_norm(grad)
+        self._last = (weakref.ref(grad), grad._version, sq)
+        return sq
 
-    def add(self, slot: int, norm: torch.Tensor) -> None:
-        """One ‖grad‖ for ``slot``; the end of this backward hands the norms to the capture."""
-        self.pending.append((slot, norm))
+    def add(self, slot: int, sq: torch.Tensor) -> None:
+        """One ‖grad‖² for ``slot``; the end of this backward hands them to the capture."""
+        self.pending.append((slot, sq))
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)

@@ -3,7 +3,7 @@
 Groups (SPEC §3 "per layer and per sub-layer, and the global total") come from the layout:
 ``""`` is the total. A group's norm is sqrt(Σ_p ‖g_p‖²) over its parameters, computed as
 ``sqrt(M @ sq)`` with M the (groups × params) membership matrix and sq the squared
-per-parameter norms from ``torch._foreach_norm`` — no host sync.
+per-parameter norms (:func:`gradscope.recorder.sqnorm.squared_norms`) — no host sync.
 
 Under FSDP2 (or any DTensor parameters) a gradient's ``to_local()`` is this rank's shard,
 so the squared shard norms are summed across the device mesh with one ``all_reduce`` per
@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from gradscope.recorder.layout import Layout
+from gradscope.recorder import sqnorm
 
 
 class ParamGroups:
@@ -94,9 +95,8 @@ class ParamGroups:
         if not present:
             return None
         sharded = any(is_dtensor(t) for t in present)
-        norms = torch._foreach_norm([local(t) for t in present] if sharded else present)
-        device = norms[0].device
-        stacked = torch.stack(norms if len({n.dtype for n in norms}) == 1 else [n.float() for n in norms]).float() ** 2
+        stacked = sqnorm.squared_norms([local(t) for t in present] if sharded else present)
+        device = stacked.device
         if len(present) == len(tensors):
             sq = stacked
         else:

@@ -219,10 +219,7 @@ class Recorder:
 
     def abort_step(self) -> None:
         """Discards the open step (after an exception): nothing stored."""
-        self._capture.on = False
-        self._capture.snapshots.clear()
-        self._capture.pending_fwd.clear()
-        self._capture.eager.reset_backward()
+        self._capture.discard()
         self._step, self._buffer, self._recording = None, None, False
 
     @property

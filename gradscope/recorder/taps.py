@@ -17,7 +17,7 @@ def in_backward() -> bool:
 class Tap(torch.autograd.Function):
     """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
     (fp32) at ``slot`` of the probe's gradient. Run eagerly (``eager`` given: an
-    :class:`~gradscope.recorder.eager.EagerGrads`), it hands ‖grad‖ to that instead, which
+    :class:`~gradscope.recorder.eager.EagerGrads`), it hands ‖grad‖² to that instead, which
     saves the probe's padding and summing."""
 
     @staticmethod
@@ -30,9 +30,9 @@ class Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.eager is not None:  # eager: hand ‖grad‖ over (squared once per micro-step), no padding or summing
+        if ctx.eager is not None:  # eager: hand ‖grad‖² over, no padding or summing
             if ctx.eager.live(ctx.epoch):
-                ctx.eager.add(ctx.slot, ctx.eager.norm(grad))
+                ctx.eager.add(ctx.slot, ctx.eager.squared_norm(grad))
             return grad, None, None, None
         sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
         return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
@@ -56,7 +56,7 @@ class NormTap(torch.autograd.Function):
         x, w, is_ln = ctx.saved_tensors
         sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
         if ctx.eager is not None:
-            ctx.eager.add(ctx.slot, sq.sqrt())
+            ctx.eager.add(ctx.slot, sq)
             return grad, None, None, None, None, None, None, None, None, None
         sq = F.pad(sq.reshape(1), (ctx.slot, ctx.size - ctx.slot - 1))
         return grad, None, sq, None, None, None, None, None, None, None
