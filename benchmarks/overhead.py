@@ -5,7 +5,9 @@ mode, which never has a recorder attached, is the reference. For each timed pair
 step and one step of the method run back to back, the order alternating between pairs; a
 cell is the median over pairs of the per-pair ratio (method / plain), so slow drifts of a
 shared machine cancel. The load average is printed before and after: run it on a quiet
-machine and say so.
+machine and say so. On the CPU the allocator is held steady by default (``--allocator``,
+:mod:`benchmarks.allocator`): glibc's page faults, which follow the allocation order rather
+than the work, otherwise move a 205 ms step by ±5 ms on either side.
 
     python -m benchmarks.overhead                          # 6+6, 12+12, 24+24 layers, d=256, eager and compiled
     python -m benchmarks.overhead --depths 12 --pairs 10   # the 6+6 reference only
@@ -57,6 +59,7 @@ from collections.abc import Callable
 import torch
 from torch._dynamo.utils import counters
 
+from benchmarks.allocator import steady
 from benchmarks.overhead_methods import (
     METHODS,
     EagerOnly,
@@ -221,6 +224,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="also time gradscope with one quantity at a time (where the cost is)")
     parser.add_argument("--recompile-limit", type=int, default=64,
                         help="torch._dynamo recompile (cache size) limit: every copy's graphs share one code object (default: 64)")
+    parser.add_argument("--allocator", choices=["steady", "default"], default="steady",
+                        help="steady: glibc keeps freed memory, so page faults that follow the allocation order, not the "
+                             "work, drop out of both sides (benchmarks/allocator.py); default: as the process starts "
+                             "(default: steady)")
     parser.add_argument("--hook-guards", action=argparse.BooleanOptionalAction, default=True,
                         help="set torch._dynamo.config.skip_nnmodule_hook_guards=False, so a copy with recorder hooks "
                              "never reuses a graph Dynamo traced from a copy without them (default: on; see module doc)")
@@ -243,7 +250,9 @@ def main(argv: list[str] | None = None) -> int:
         methods = [m for m in methods if any(o in m.name for o in args.only)]
     modes = [False, True] if args.compile else [False]
     mode_name = {False: "eager", True: "compiled"}
+    allocator = steady() if args.allocator == "steady" else "default (as the process started)"
     print(f"machine: {machine()}")
+    print(f"allocator: {allocator}")
     print(load_line("before"))
     print(f"command: python -m benchmarks.overhead {' '.join(argv if argv is not None else sys.argv[1:])}")
     print(f"model: pre_ln encoder-decoder, d={args.d_model}, batch {args.batch_size}x{args.length} tokens, Adam; "

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from gradscope.models.sites import Site
 from gradscope.recorder.eager import EagerGrads, hookable
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
@@ -44,11 +45,11 @@ from gradscope.recorder.taps import (
     NormTap,
     Tap,
     first_tensor,
-    in_backward,
     main_input,
     replace_first,
 )
 
+_ALIAS = torch.ops.aten.alias.default  # a new autograd node that hands the gradient on unchanged
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm
 
 
@@ -103,7 +104,8 @@ class Capture:
         # Eagerly, a module's output may be read more cheaply by a node hook (recorder/eager.py).
         # Not a norm's input, which wants the gradient through the norm alone, and not a
         # module's input, which wants the gradient through that module alone.
-        self._hooked = [p.where == "output" and p.name not in norm_inputs for p in self.points]
+        self._hooked = [p.where == "output" and p.name not in norm_inputs and not isinstance(p.module, Site)
+                        for p in self.points]  # a Site returns its input: never hookable
         self._alias_ok = bool(getattr(model, "site_outputs_never_modified_in_place", False))
         # Where no in-place op can follow, an alias (a C++ node of its own) stands in for the Tap:
         # the outputs of a promising model's Sites, and the input of a fused norm that only the
@@ -111,9 +113,9 @@ class Capture:
         # (its forward modifies nothing in place). The alias's node then sees exactly the
         # gradient the Tap would, through that norm alone.
         plain_ln = {n.site_in for n in layout.norms if type(n.module).forward is nn.LayerNorm.forward}
-        self._alias = [(self._hooked[i] and self._alias_ok)
+        self._alias = [(p.where == "output" and p.name not in norm_inputs and self._alias_ok)
                        or (p.name in fused and (self._alias_ok if p.where == "output" else p.name in plain_ln))
-                       for i, p in enumerate(self.points)]
+                       for p in self.points]
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self._grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self._stack_pos = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
@@ -253,9 +255,9 @@ class Capture:
             self.masks = self.token_masks(args, kwargs)
         return None
 
-    def _call(self, i: int) -> tuple[int, bool]:
+    def _call(self, i: int, compiling: bool) -> tuple[int, bool]:
         """(call index clipped to max_calls, inside a recompute) for the next call of counter ``i``."""
-        if in_backward():
+        if not compiling and torch._C._current_autograd_node() is not None:  # activation checkpointing recomputes
             calls = max(self.calls[i], 1)
             c = calls - 1 - self.recalls[i] % calls  # recomputes run in reverse order of the forward
             self.recalls[i] += 1
@@ -267,40 +269,45 @@ class Capture:
     def _observe(self, i: int, t: torch.Tensor, module_args: tuple = ((), {})) -> torch.Tensor | None:
         """Statistics of one site value; returns the tapped value (or None to keep it).
         ``module_args``: (args, kwargs) of the module whose output ``t`` is."""
-        c, recompute = self._call(i)
+        compiling = torch.compiler.is_compiling()
+        c, recompute = self._call(i, compiling)
         slot = i * self.K + c
         grad = self.want_grad and t.requires_grad and torch.is_grad_enabled()
-        tap = grad and self._taps[i]
         if not recompute:
             self.seq += 1
-            self._mark(slot, self.seq if grad and self._grad_expected[i] else -self.seq)
+            order = self.seq if grad and self._grad_expected[i] else -self.seq
+            if compiling:
+                self.fwd[slot, 0] = order
+            else:
+                self.marks[slot] = order
             if self.want_value:
-                self._put_value(slot, t)
-            if self.want_cosine and slot % self.K == 0:
+                self._put_value(slot, t, compiling)
+            if self.want_cosine and c == 0:
                 self._cosine(self.points[i].name, t)
-        if not tap:
+        if not (grad and self._taps[i]):
             return None
-        if not torch.compiler.is_compiling():
-            if self._hooked[i] and hookable(t, *module_args):
-                self.eager.hook(t, slot, recompute)
-                return None
-            if self._alias[i]:
-                out = torch.ops.aten.alias(t)
-                self.eager.hook(out, slot, recompute)
-                return self._passed_on(t, out)
-        return self._passed_on(t, Tap.apply(t, self.probe, slot, self._eager()))
+        if compiling:
+            return self._passed_on(t, Tap.apply(t, self.probe, slot, None))
+        if self._hooked[i] and hookable(t, *module_args):
+            self.eager.hook(t, slot, recompute)
+            return None
+        if self._alias[i]:
+            out = _ALIAS(t)
+            self.eager.hook(out, slot, recompute)
+            return self._passed_on(t, out)
+        return self._passed_on(t, Tap.apply(t, self.probe, slot, self.eager))
 
     def _passed_on(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self._last is not None and self._last[0] is t:
             self._last = (out, out._version, self._last[2])  # the next site often receives this very tensor
         return out
 
-    def _put_value(self, slot: int, t: torch.Tensor) -> None:
+    def _put_value(self, slot: int, t: torch.Tensor, compiling: bool) -> None:
         """‖t‖ into the value channel. Traced, straight into the forward buffer; eagerly ‖t‖²
         waits for the snapshot (one square root for all), and a site that receives the very
         tensor (same version) the last site passed on reuses it (a layer's ``out`` is the
         next layer's ``in``)."""
-        if torch.compiler.is_compiling():
+        if compiling:
             self.fwd[slot, 1] = torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
             return
         last = self._last
@@ -351,7 +358,7 @@ class Capture:
             if found is None or y is None or found[1].shape != y.shape:
                 return None
             x = found[1]
-            c, recompute = self._call(counter)
+            c, recompute = self._call(counter, torch.compiler.is_compiling())
             grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad
                     and torch.is_grad_enabled())
             wsig = self.want_wsig and not recompute

@@ -14,6 +14,9 @@ from __future__ import annotations
 import torch
 
 
+DOT_MIN = 1 << 14  # elements from which ``dot`` beats one fused ``_foreach_norm`` over the rest (CPU, measured)
+
+
 def _blas_dot_ok(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and not torch.compiler.is_compiling()
 
@@ -34,8 +37,12 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
 
 
 def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """‖t‖² of each tensor, stacked into one fp32 vector (one fused ``_foreach_norm`` off the
-    CPU, where launching a kernel per tensor would cost more than the reduction).
+    """‖t‖² of each tensor, stacked into one fp32 vector.
+
+    On the CPU, tensors of at least ``DOT_MIN`` elements go through ``dot`` (there the pass
+    over memory is the cost) and the many small ones (biases, norm gains) through one fused
+    ``_foreach_norm`` (there the Python call is); elsewhere one ``_foreach_norm`` does all,
+    as launching a kernel per tensor would cost more than the reduction.
 
     Args:
         tensors: a non-empty list of floating-point tensors on one device.
@@ -43,7 +50,17 @@ def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     Returns:
         A (len(tensors),) fp32 vector.
     """
-    if all(_blas_dot_ok(t) for t in tensors):
-        return torch.stack([squared_norm(t) for t in tensors])
-    norms = torch._foreach_norm(tensors)
-    return torch.stack([n.float() for n in norms]).square()
+    big = [t.numel() >= DOT_MIN for t in tensors]
+    if (not any(big) or torch.compiler.is_compiling()
+            or not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)):
+        return torch.stack([n.float() for n in torch._foreach_norm(tensors)]).square()
+    small = [t for t, b in zip(tensors, big) if not b]
+    small_sq = iter(torch._foreach_norm(small) if small else ())
+    out = []
+    for t, b in zip(tensors, big):
+        if b:
+            flat = t.detach().view(-1)
+            out.append(torch.dot(flat, flat))
+        else:
+            out.append(next(small_sq).square())
+    return torch.stack(out)
