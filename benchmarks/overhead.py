@@ -29,14 +29,16 @@ process never meets this; this script compiles several copies in one process, so
 the hook guards on (``--no-hook-guards`` reproduces the failure). The plain reference runs
 under the same guards.
 
-Methods (``benchmarks.overhead_methods``): gradscope with default quantities (norms),
+Methods (``benchmarks.overhead_methods``): a second plain copy (an A/A control: how far
+two identical steps differ here), gradscope with default quantities (norms),
 gradscope with all quantities (cosine and update ratio every 10 steps: ``every=1``,
 ``slow_every=10``, so one timed step in ten records them), the signals before instability
 (``quantities="signals"``: default plus attention logits and entropy, output log Z,
 sub-layer RMS and gradient RMS over ε) recorded every step and every 10th step, a Recorder attached whose steps
 are not recorded (``every=1000``: the cost of hooks passing through), bare hooks taking one
-norm per site value and gradient with no bookkeeping (the floor for activation norms; eager
-only), a naive loop calling ``p.grad.norm().item()`` per parameter, gradscope's default
+squared norm per distinct site value and gradient with no bookkeeping, alone and with every
+parameter gradient's (the floor: the reductions the default quantities need and nothing
+else; eager only), a naive loop calling ``p.grad.norm().item()`` per parameter, gradscope's default
 quantities logged live to an offline W&B run (``WandbSink``) next to
 ``wandb.watch(model, log="gradients", log_freq=1)`` offline, and Lightning's ``grad_norm``
 (the last three only when installed: ``pip install -e ".[bench]"``). Under compile the peers'
@@ -188,10 +190,9 @@ def measure(total_layers: int, args, compiled: bool, methods: list[Method]) -> t
 
 def machine() -> str:
     """One line describing where this runs."""
-    cpu = platform.processor() or platform.machine()
-    cpu = f"CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
-    dev = torch.cuda.get_device_name() if torch.cuda.is_available() else cpu
-    return f"{dev}; {cpu}; Python {platform.python_version()}; torch {torch.__version__}"
+    cpu = f"{platform.machine()} CPU, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads"
+    dev = f"{torch.cuda.get_device_name()}; " if torch.cuda.is_available() else ""
+    return f"{dev}{cpu}; Python {platform.python_version()}; torch {torch.__version__}"
 
 
 def load_line(when: str) -> str:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import gradscope
+from gradscope.recorder.sqnorm import squared_norm, squared_norms
 
 BETAS = (0.9, 0.98)
 
@@ -154,31 +155,46 @@ def naive_item(model, opt, batch, compiled: bool) -> Runner:
     return Runner(step)
 
 
-def bare_site_norms(model, opt, batch, compiled: bool) -> Runner:
+def bare_site_norms(with_params: bool = False) -> Callable[..., Runner]:
     """The floor: a forward hook per distinct site value and a tensor hook per gradient, each
-    taking one ``vector_norm`` into a list, with no bookkeeping at all (what any recorder of
-    these quantities has to do). Eager only: its hooks are added and removed every step."""
-    if compiled:
-        raise EagerOnly("eager only (hooks added per step)")
-    sites = [m for m in model.modules() if isinstance(m, gradscope.Site)]
+    taking one squared norm (:func:`gradscope.recorder.sqnorm.squared_norm`, the recorder's
+    own reduction) into a list, with no bookkeeping at all: what any recorder of these
+    quantities has to do. ``with_params``: also the squared norm of every parameter gradient
+    (:func:`~gradscope.recorder.sqnorm.squared_norms`), so the reductions are those of
+    gradscope's default quantities. Eager only: its hooks are added and removed every step."""
 
-    def step(i):
-        out: list[torch.Tensor] = []
-        seen: set[int] = set()
+    def setup(model, opt, batch, compiled: bool) -> Runner:
+        if compiled:
+            raise EagerOnly("eager only (hooks added per step)")
+        sites = [m for m in model.modules() if isinstance(m, gradscope.Site)]
+        params = list(model.parameters())
 
-        def on_value(module, args, value):
-            if id(value) not in seen:
-                seen.add(id(value))
-                out.append(torch.linalg.vector_norm(value.detach()))
-                value.register_hook(lambda g: out.append(torch.linalg.vector_norm(g)))
+        def step(i):
+            out: list[torch.Tensor] = []
+            seen: set[int] = set()
 
-        handles = [m.register_forward_hook(on_value) for m in sites]
-        loss_of(model, batch).backward()
-        for h in handles:
-            h.remove()
-        torch.stack(out).tolist()
-        _finish_opt(opt)
-    return Runner(step)
+            def on_value(module, args, value):
+                if id(value) not in seen:
+                    seen.add(id(value))
+                    out.append(squared_norm(value))
+                    value.register_hook(lambda g: out.append(squared_norm(g)))
+
+            handles = [m.register_forward_hook(on_value) for m in sites]
+            loss_of(model, batch).backward()
+            for h in handles:
+                h.remove()
+            if with_params:
+                out.append(squared_norms([p.grad for p in params if p.grad is not None]).sum())
+            torch.stack(out).tolist()
+            _finish_opt(opt)
+        return Runner(step)
+    return setup
+
+
+def plain_twin(model, opt, batch, compiled: bool) -> Runner:
+    """A second plain copy: its ratio to the reference is the timing's own noise and bias
+    (memory placement of two copies), against which the other cells are read."""
+    return plain(model, opt, batch, compiled)
 
 
 def wandb_watch(model, opt, batch, compiled: bool) -> Runner:
@@ -229,13 +245,16 @@ def lightning_grad_norm(model, opt, batch, compiled: bool) -> Runner:
 
 
 METHODS: list[Method] = [
+    Method("plain, a second copy (the timing's own noise)", plain_twin),
     Method("gradscope norms (default)", with_recorder("default"), records=True),
     Method("gradscope all (cosine every 10)", with_recorder("all"), records=True),
     Method("gradscope signals (default + attention logits/entropy, log Z, RMS, grad RMS/eps)", with_recorder("signals"),
            records=True),
     Method("gradscope signals, every 10th step recorded (every=10)", with_recorder("signals", every=10), records=True),
     Method("gradscope attached, step not recorded (every=1000)", with_recorder("default", every=1000)),
-    Method("bare hooks: one vector_norm per site value and gradient", bare_site_norms),
+    Method("bare hooks: one squared norm per site value and gradient", bare_site_norms()),
+    Method("bare hooks + parameter-gradient norms (the default quantities' reductions, no bookkeeping)",
+           bare_site_norms(with_params=True)),
     Method("naive p.grad.norm().item() loop", naive_item),
     Method("gradscope default -> W&B sink (WandbSink) offline", gradscope_wandb, records=True),
     Method("wandb.watch(log='gradients', log_freq=1) offline", wandb_watch),

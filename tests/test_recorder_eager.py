@@ -143,3 +143,43 @@ def test_zoo_layer_inputs_read_elsewhere_carry_the_gradient_through_the_site(var
     assert ref.keys() <= got.keys()
     for name, value in ref.items():
         assert_rel(got[name], value, rel=1e-5, what=name)
+
+
+class _InPlaceLayerNorm(nn.LayerNorm):
+    """A LayerNorm subclass whose forward modifies its input in place (here without changing
+    its values): an alias of the input would lose its node, so the recorder keeps the Tap."""
+
+    def forward(self, x):
+        x.mul_(1.0)
+        return super().forward(x)
+
+
+class _NormNet(nn.Module):
+    """Blocks of residual + norm, on a foreign model: each norm's input is also the residual."""
+
+    def __init__(self, norm_cls):
+        super().__init__()
+        self.fc = nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.norm = nn.ModuleList([norm_cls(8), norm_cls(8)])
+
+    def forward(self, x):
+        for fc, norm in zip(self.fc, self.norm):
+            h = x + torch.tanh(fc(x))
+            x = h + norm(h) * 0.5  # h: the norm's input and the residual
+        return x.pow(3).sum()
+
+
+@pytest.mark.parametrize("norm_cls", [nn.LayerNorm, _InPlaceLayerNorm], ids=["plain", "in_place_subclass"])
+def test_a_layer_norm_input_carries_the_gradient_through_the_norm_only(norm_cls):
+    """A plain nn.LayerNorm's input is read at an alias, a subclass that modifies its input in
+    place through the Tap; both give the gradient through the norm alone, not the total."""
+    torch.manual_seed(0)
+    model, x = _NormNet(norm_cls), torch.randn(2, 4, 8)
+    twin = copy.deepcopy(model)
+    got = _recorded(model, lambda: model(x))
+    sites = {f"norm.{i}.in": (twin.norm[i], "input") for i in range(2)}
+    through, _ = site_gradients(twin, sites, lambda: twin(x))
+    total, _ = site_gradients(twin, sites, lambda: twin(x), isolate=False)
+    for name in sites:
+        assert abs(through[name] / total[name] - 1) > 1e-2, "the case must tell the two apart"
+        assert_rel(got[name], through[name], what=name)

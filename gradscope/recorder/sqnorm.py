@@ -53,9 +53,9 @@ def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     big = [t.numel() >= DOT_MIN for t in tensors]
     if (not any(big) or torch.compiler.is_compiling()
             or not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)):
-        return torch.stack([n.float() for n in torch._foreach_norm(tensors)]).square()
+        return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
     small = [t for t, b in zip(tensors, big) if not b]
-    small_sq = iter(torch._foreach_norm(small) if small else ())
+    small_sq = iter(torch._foreach_norm(small, 2, dtype=torch.float32) if small else ())
     out = []
     for t, b in zip(tensors, big):
         if b:
