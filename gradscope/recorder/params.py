@@ -55,12 +55,12 @@ class ParamGroups:
         cannot be mapped to the groups found at construction, and raises.
         """
         cache = getattr(self, "_where", None)
-        if cache is not None:
-            tree, counts, slots = cache
-            if all(parent._modules.get(n) is child for parent, n, child in tree) and all(
-                    len(m._parameters) == k for m, k in counts):
-                params = [m._parameters.get(n) for m, n in slots]
-                if all(p is not None for p in params) and len({id(p) for p in params}) == len(params):
+        if cache is not None:  # each check one C-level map over dicts the modules keep
+            (child_dicts, child_names, children), (param_dicts, counts), (slot_dicts, slot_names) = cache
+            if (list(map(dict.get, child_dicts, child_names)) == children
+                    and list(map(len, param_dicts)) == counts):
+                params = list(map(dict.get, slot_dicts, slot_names))
+                if all(p is not None for p in params) and len(set(map(id, params))) == len(params):  # (`in` would compare tensors)
                     return params
         return self._walk()
 
@@ -74,13 +74,14 @@ class ParamGroups:
                 f"{len(self.names)} then; first difference: {diff}); build a new Recorder after changing the model"
             )
         modules = list(self.model.modules())
-        tree = [(parent, n, child) for parent in modules for n, child in parent._modules.items() if child is not None]
-        counts = [(m, len(m._parameters)) for m in modules]
+        tree = [(parent._modules, n, child) for parent in modules for n, child in parent._modules.items() if child is not None]
         slots = []
         for name, _ in named:
             owner, _, attr = name.rpartition(".")
-            slots.append((self.model.get_submodule(owner), attr))
-        self._where = (tree, counts, slots)
+            slots.append((self.model.get_submodule(owner)._parameters, attr))
+        self._where = ([d for d, _, _ in tree], [n for _, n, _ in tree], [c for _, _, c in tree]), \
+            ([m._parameters for m in modules], [len(m._parameters) for m in modules]), \
+            ([d for d, _ in slots], [n for _, n in slots])
         return [p for _, p in named]
 
     def membership(self, device: torch.device) -> torch.Tensor:
