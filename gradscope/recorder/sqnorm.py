@@ -18,7 +18,8 @@ DOT_MIN = 1 << 14  # elements from which ``dot`` beats one fused ``_foreach_norm
 
 
 def _blas_dot_ok(t: torch.Tensor) -> bool:
-    return t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous() and not torch.compiler.is_compiling()
+    return (t.dtype == torch.float32 and t.layout == torch.strided and t.device.type == "cpu" and t.is_contiguous()
+            and not torch.compiler.is_compiling())
 
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
@@ -33,7 +34,7 @@ def squared_norm(t: torch.Tensor) -> torch.Tensor:
     if _blas_dot_ok(t):
         flat = t.detach().view(-1)
         return torch.dot(flat, flat)
-    return torch.linalg.vector_norm(t.detach(), dtype=torch.float32).square()
+    return torch.linalg.vector_norm(_values(t).detach(), dtype=torch.float32).square()
 
 
 def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -50,6 +51,8 @@ def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     Returns:
         A (len(tensors),) fp32 vector.
     """
+    if any(t.layout != torch.strided for t in tensors):  # sparse gradients (nn.Embedding(sparse=True))
+        tensors = [_values(t) for t in tensors]
     big = [t.numel() >= DOT_MIN for t in tensors]
     if (not any(big) or torch.compiler.is_compiling()
             or not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)):
@@ -64,3 +67,13 @@ def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
         else:
             out.append(next(small_sq).square())
     return torch.stack(out)
+
+
+def _values(t: torch.Tensor) -> torch.Tensor:
+    """A strided tensor with the same sum of squares: a sparse COO tensor's coalesced values
+    (duplicates summed first), another layout made dense."""
+    if t.layout == torch.strided:
+        return t
+    if t.layout == torch.sparse_coo:
+        return t.detach().coalesce().values()
+    return t.detach().to_dense()
