@@ -32,10 +32,10 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from gradscope.models.sites import Site
+from gradscope.recorder.cosine_rows import CosineRows
 from gradscope.recorder.eager import EagerGrads, hookable
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
@@ -76,12 +76,7 @@ class Capture:
         self.device: torch.device | None = None
         self.probe: torch.Tensor | None = None
         self.fwd: torch.Tensor | None = None  # (n_slots, FWD): [±order (negative: not tapped), value, misfit]
-        self.cos_rows: dict[str, torch.Tensor] = {}  # stack -> (L+1, k, d) normalised sampled rows
-        self.cos_weight: dict[str, torch.Tensor] = {}  # stack -> (k,) token weights (0 = padding)
-        self.cos_written: dict[str, torch.Tensor] = {}  # stack -> (L+1,) 1 where that output was sampled
-        self.cos_offset: torch.Tensor | None = None  # () in [0, 1): stratified token sampling offset
-        self.cosine_tokens = 0
-        self.masks: dict[str, torch.Tensor] = {}
+        self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor, np.ndarray]] = []
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step
         self.marks = np.zeros(self.n_slots)
@@ -118,8 +113,6 @@ class Capture:
                        for p in self.points]
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self._grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
-        self._stack_pos = {s: (st.name, i) for st in layout.stacks for i, s in enumerate(st.sites)}
-        self._widths = {st.name: (st.width, len(st.sites)) for st in layout.stacks}
         self.handles: list = []
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
 
@@ -164,24 +157,14 @@ class Capture:
             self.probe = torch.zeros(self.n_taps, device=device, requires_grad=True)
             self.probe.register_post_accumulate_grad_hook(lambda probe: self.snapshot())
             self.fwd = torch.zeros(self.n_slots, FWD, device=device)
-            self.cos_rows, self.cos_weight, self.cos_written = {}, {}, {}
+            self.cosine.forget()
         self.probe.grad = None
         self.fwd.zero_()
         self.marks[:] = 0
         self.discard()
         self.want_value, self.want_grad, self.want_wsig, self.want_cosine = value, grad, wsig, cosine
         if cosine:
-            self.cosine_tokens = cosine_tokens
-            self.cos_offset = torch.rand((), generator=generator).to(device)
-            for name, (width, n) in self._widths.items():
-                if width is not None and name not in self.cos_rows:
-                    self.cos_rows[name] = torch.zeros(n, cosine_tokens, width, device=device)
-                    self.cos_weight[name] = torch.zeros(cosine_tokens, device=device)
-                    self.cos_written[name] = torch.zeros(n, device=device)
-            for name in self.cos_rows:
-                self.cos_rows[name].zero_()
-                self.cos_weight[name].zero_()
-                self.cos_written[name].zero_()
+            self.cosine.begin(device, cosine_tokens, generator)
         self.calls = [0] * len(self.calls)
         self.recalls = [0] * len(self.calls)
         self.seq = 0
@@ -252,7 +235,7 @@ class Capture:
         self.recalls = [0] * len(self.recalls)
         self.seq = 0
         if self.want_cosine:
-            self.masks = self.token_masks(args, kwargs)
+            self.cosine.masks = self.token_masks(args, kwargs)
         return None
 
     def _call(self, i: int, compiling: bool) -> tuple[int, bool]:
@@ -283,7 +266,7 @@ class Capture:
             if self.want_value:
                 self._put_value(slot, t, compiling)
             if self.want_cosine and c == 0:
-                self._cosine(self.points[i].name, t)
+                self.cosine.sample(self.points[i].name, t)
         if not (grad and self._taps[i]):
             return None
         if compiling:
@@ -379,41 +362,3 @@ class Capture:
             return replace_first(output, tapped)
 
         return hook
-
-    # -- cosine -----------------------------------------------------------------------------
-    def _cosine(self, site: str, t: torch.Tensor) -> None:
-        """Sampled, normalised token rows of a stack output (Takase Fig. 5): every token when
-        the batch has at most ``cosine_tokens``, else ``cosine_tokens`` tokens stratified
-        over the batch (evenly spaced, with a random offset drawn by the Recorder's generator)."""
-        where = self._stack_pos.get(site)
-        if where is None or where[0] not in self.cos_rows:
-            return
-        stack, pos = where
-        rows = self.cos_rows[stack]
-        flat = t.detach().reshape(-1, t.shape[-1])  # (B*T, d)
-        if flat.shape[1] != rows.shape[2]:
-            return  # the stack changes width: no cosine
-        n, k = flat.shape[0], self.cosine_tokens
-        if n <= k:  # every token, once
-            idx = torch.arange(n, device=flat.device)
-        else:
-            idx = ((torch.arange(k, device=flat.device) + self.cos_offset) * (n / k)).long().clamp_(max=n - 1)
-        m = idx.shape[0]
-        rows[pos, :m] = F.normalize(flat[idx].float(), dim=-1)
-        self.cos_written[stack][pos] = 1.0
-        if pos == 0:
-            mask = self.masks.get(stack)
-            if mask is not None and mask.numel() == n:
-                self.cos_weight[stack][:m] = mask.reshape(-1).to(flat.device)[idx].float()
-            else:
-                self.cos_weight[stack][:m] = 1.0
-
-    def cosine_matrices(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Stack -> (S, written): S[i, j] = weighted mean over sampled tokens of
-        cos(y_i[t], y_j[t]); ``written`` marks the outputs sampled this step (a matrix with
-        an unwritten row is dropped on the host)."""
-        out = {}
-        for name, Y in self.cos_rows.items():
-            w = self.cos_weight[name]
-            out[name] = (torch.einsum("ikd,jkd,k->ij", Y, Y, w) / w.sum().clamp_min(1.0), self.cos_written[name])
-        return out

@@ -225,7 +225,7 @@ class Cosine(Quantity):
     name, captures, slow = "cosine", frozenset({"cosine"}), True
 
     def collect(self, rec, buf):
-        for stack, (matrix, written) in rec._capture.cosine_matrices().items():
+        for stack, (matrix, written) in rec._capture.cosine.matrices().items():
             site = stack if rec.layout.foreign else f"{stack}.layers"  # the layer list's module name
             buf.add_matrix(-1, stack, site, self.name, matrix)
             buf.add_block(f"cosine_written:{stack}", written)
@@ -330,6 +330,9 @@ def resolve_quantities(quantities: str | tuple | list) -> tuple[str, ...]:
         if quantities not in presets:
             raise ValueError(f"quantities: unknown preset {quantities!r}; valid: {sorted(presets)} or a list of {list(QUANTITIES)}")
         return presets[quantities]
+    if not isinstance(quantities, (tuple, list)) or not all(isinstance(q, str) for q in quantities):
+        raise ValueError(f"quantities: 'default', 'all', 'signals' or a list of names from {sorted(QUANTITIES)}; "
+                         f"got {quantities!r}")
     unknown = [q for q in quantities if q not in QUANTITIES]
     if unknown:
         raise ValueError(f"quantities: unknown {unknown}; valid: {sorted(QUANTITIES)}")
