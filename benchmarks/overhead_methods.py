@@ -191,12 +191,6 @@ def bare_site_norms(with_params: bool = False) -> Callable[..., Runner]:
     return setup
 
 
-def plain_twin(model, opt, batch, compiled: bool) -> Runner:
-    """A second plain copy: its ratio to the reference is the timing's own noise and bias
-    (memory placement of two copies), against which the other cells are read."""
-    return plain(model, opt, batch, compiled)
-
-
 def wandb_watch(model, opt, batch, compiled: bool) -> Runner:
     """``wandb.watch(model, log="gradients", log_freq=1)`` in an offline run."""
     import wandb
@@ -245,7 +239,7 @@ def lightning_grad_norm(model, opt, batch, compiled: bool) -> Runner:
 
 
 METHODS: list[Method] = [
-    Method("plain, a second copy (the timing's own noise)", plain_twin),
+    Method("plain, a second copy (the timing's own noise)", plain),  # A/A: two copies' noise and placement
     Method("gradscope norms (default)", with_recorder("default"), records=True),
     Method("gradscope all (cosine every 10)", with_recorder("all"), records=True),
     Method("gradscope signals (default + attention logits/entropy, log Z, RMS, grad RMS/eps)", with_recorder("signals"),

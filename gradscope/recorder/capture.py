@@ -11,7 +11,7 @@ that is not recorded each hook returns at once. On a recorded step:
   counter), so an in-place op after a site behaves exactly as without the recorder;
 - run eagerly (not traced), a module's output is read more cheaply where that is exact: by
   a pre-hook on the autograd node that made it, or on an alias of it
-  (:mod:`gradscope.recorder.eager` says when). Inputs and norm inputs keep the Tap, whose
+  (:mod:`gradscope.recorder.eager` says when). Other module inputs keep the Tap, whose
   gradient is the one through that module alone;
 - forward statistics (the site's ‖h‖, a norm's w/σ, sampled rows for ``cosine``) are
   written in place into device buffers;
@@ -40,7 +40,7 @@ from gradscope.recorder.eager import EagerGrads, hookable
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
-from gradscope.recorder.sqnorm import squared_norm
+from gradscope.recorder.sqnorm import Reused
 from gradscope.recorder.taps import (
     NormTap,
     Tap,
@@ -82,7 +82,7 @@ class Capture:
         self.marks = np.zeros(self.n_slots)
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
         self.pending_sq: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖h‖²): site values, eagerly
-        self._last: tuple | None = None  # (tensor, version, ‖t‖²): the last site value reduced, eagerly
+        self._value_sq = Reused()  # eagerly, ‖h‖² once for a value two sites receive in a row
         self.eager = EagerGrads(self.snapshot, lambda: self.on)  # eager gradient norms (node hooks, Taps' norms)
         index = {p.name: i for i, p in enumerate(self.points)}
         self._norm_kind = [norm_kind(n.module) for n in layout.norms]
@@ -99,8 +99,8 @@ class Capture:
         # Eagerly, a module's output may be read more cheaply by a node hook (recorder/eager.py).
         # Not a norm's input, which wants the gradient through the norm alone, and not a
         # module's input, which wants the gradient through that module alone.
-        self._hooked = [p.where == "output" and p.name not in norm_inputs and not isinstance(p.module, Site)
-                        for p in self.points]  # a Site returns its input: never hookable
+        outputs = [p.where == "output" and p.name not in norm_inputs for p in self.points]
+        self._hooked = [o and not isinstance(p.module, Site) for o, p in zip(outputs, self.points)]  # a Site returns its input
         self._alias_ok = bool(getattr(model, "site_outputs_never_modified_in_place", False))
         # Where no in-place op can follow, an alias (a C++ node of its own) stands in for the Tap:
         # the outputs of a promising model's Sites, and the input of a fused norm that only the
@@ -108,9 +108,8 @@ class Capture:
         # (its forward modifies nothing in place). The alias's node then sees exactly the
         # gradient the Tap would, through that norm alone.
         plain_ln = {n.site_in for n in layout.norms if type(n.module).forward is nn.LayerNorm.forward}
-        self._alias = [(p.where == "output" and p.name not in norm_inputs and self._alias_ok)
-                       or (p.name in fused and (self._alias_ok if p.where == "output" else p.name in plain_ln))
-                       for p in self.points]
+        self._alias = [(o and self._alias_ok) or (p.name in fused and (self._alias_ok if p.where == "output" else p.name in plain_ln))
+                       for o, p in zip(outputs, self.points)]
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self._grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self.handles: list = []
@@ -208,7 +207,7 @@ class Capture:
         self.pending_fwd.clear()
         self.pending_sq.clear()
         self.eager.reset_backward()
-        self._last = None
+        self._value_sq.clear()
         self.recalls = [0] * len(self.recalls)
 
     def _mark(self, slot: int, value: float) -> None:
@@ -281,8 +280,7 @@ class Capture:
         return self._passed_on(t, Tap.apply(t, self.probe, slot, self.eager))
 
     def _passed_on(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        if self._last is not None and self._last[0] is t:
-            self._last = (out, out._version, self._last[2])  # the next site often receives this very tensor
+        self._value_sq.passed_on(t, out)  # the next site often receives this very tensor
         return out
 
     def _put_value(self, slot: int, t: torch.Tensor, compiling: bool) -> None:
@@ -293,13 +291,7 @@ class Capture:
         if compiling:
             self.fwd[slot, 1] = torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
             return
-        last = self._last
-        if last is not None and last[0] is t and last[1] == t._version:
-            sq = last[2]
-        else:
-            sq = squared_norm(t)
-            self._last = (t, t._version, sq)
-        self.pending_sq.append((slot, sq))
+        self.pending_sq.append((slot, self._value_sq(t)))
 
     def _output_hook(self, i: int):
         def hook(module, args, kwargs, output):

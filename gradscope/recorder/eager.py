@@ -6,7 +6,7 @@ cheaply:
 
 - a module's output that the module made itself (no input passed through, no leaf, no
   view) gets a pre-hook on the autograd node that made it (no autograd node of ours and no
-  Python backward node, ≈1 µs to register). Every use of that tensor is downstream of the
+  Python backward node). Every use of that tensor is downstream of the
   site; a node pre-hook runs after every tensor hook on it, so it sees the gradient that
   flows on, as a Tap would; a later in-place op gives the tensor a new node, so the hook
   still sees the gradient of the value at the site;
@@ -16,8 +16,11 @@ cheaply:
   replaced by an alias (``aten.alias``, a C++ node that hands the gradient on unchanged)
   and the alias's node is hooked. An in-place op on such an alias would move its history
   off that node, which is why the promise is needed;
-- module inputs and norm inputs keep the Tap, whose gradient is the one through that module
-  alone (the residual path is not counted), and hand ‖grad‖ over here;
+- the input of a norm that only the norm reads (a zoo SiteNorm's ``in``, or what a plain
+  ``nn.LayerNorm`` receives, whose forward modifies nothing in place) is handed on as an
+  alias too, whose node then sees the gradient through that norm alone;
+- other module inputs keep the Tap, whose gradient is the one through that module alone
+  (the residual path is not counted), and hand ‖grad‖² over here;
 - a gradient that backward hands to two sites in a row (a layer's output is the next
   layer's input) is normed once.
 
@@ -34,7 +37,7 @@ from functools import partial
 
 import torch
 
-from gradscope.recorder.sqnorm import squared_norm
+from gradscope.recorder.sqnorm import Reused
 
 
 def hookable(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
@@ -61,7 +64,7 @@ class EagerGrads:
         self._on_backward_end = on_backward_end
         self._queued = False
         self._epoch = 0  # counts recorded steps: a hook left on a tensor of an earlier step stays silent
-        self._last: tuple | None = None  # (weakref to a gradient, its version, its squared norm)
+        self.squared_norm = Reused()  # ‖grad‖², once for a gradient handed to two sites in a row
         self._hooked: dict[int, weakref.ref] = {}  # slot -> the tensor its node hook was put for
 
     def begin(self) -> None:
@@ -69,13 +72,13 @@ class EagerGrads:
         self._epoch += 1
         self._hooked.clear()
         self.pending.clear()
-        self._last = None
+        self.squared_norm.clear()
 
     def reset_backward(self) -> None:
         """Forgets the norms taken (after the capture gathered them)."""
         self._queued = False
         self.pending.clear()
-        self._last = None
+        self.squared_norm.clear()
 
     def hook(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
         """Takes ‖∂loss/∂t‖² into ``slot`` when backward reaches the node that made ``t``
@@ -102,15 +105,6 @@ class EagerGrads:
         """Whether a hook or Tap made in ``epoch`` may report: not one on a graph kept from an
         earlier step (``retain_graph=True``) that backward runs through again."""
         return epoch == self._epoch and self._is_on()
-
-    def squared_norm(self, grad: torch.Tensor) -> torch.Tensor:
-        """‖grad‖² (fp32); the gradient the previous call saw (same object, same version) is not reduced again."""
-        last = self._last
-        if last is not None and last[0]() is grad and last[1] == grad._version:
-            return last[2]
-        sq = squared_norm(grad)
-        self._last = (weakref.ref(grad), grad._version, sq)
-        return sq
 
     def add(self, slot: int, sq: torch.Tensor) -> None:
         """One ‖grad‖² for ``slot``; the end of this backward hands them to the capture."""

@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from gradscope.recorder.layout import Layout
 from gradscope.recorder import sqnorm
+from gradscope.recorder.layout import Layout
 
 
 class ParamGroups:
@@ -60,7 +60,8 @@ class ParamGroups:
             if (list(map(dict.get, child_dicts, child_names)) == children
                     and list(map(len, param_dicts)) == counts):
                 params = list(map(dict.get, slot_dicts, slot_names))
-                if all(p is not None for p in params) and len(set(map(id, params))) == len(params):  # (`in` would compare tensors)
+                # (not `None in params`: `in` would compare tensors elementwise)
+                if all(p is not None for p in params) and len(set(map(id, params))) == len(params):
                     return params
         return self._walk()
 

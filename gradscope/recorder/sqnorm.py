@@ -11,8 +11,9 @@ Dynamo, where Inductor fuses the reduction itself) takes ``vector_norm`` in fp32
 
 from __future__ import annotations
 
-import torch
+import weakref
 
+import torch
 
 DOT_MIN = 1 << 14  # elements from which ``dot`` beats one fused ``_foreach_norm`` over the rest (CPU, measured)
 
@@ -53,20 +54,43 @@ def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """
     if any(t.layout != torch.strided for t in tensors):  # sparse gradients (nn.Embedding(sparse=True))
         tensors = [_values(t) for t in tensors]
-    big = [t.numel() >= DOT_MIN for t in tensors]
-    if (not any(big) or torch.compiler.is_compiling()
-            or not all(t.dtype == torch.float32 and t.is_cpu and t.is_contiguous() for t in tensors)):
+    big = [i for i, t in enumerate(tensors) if t.numel() >= DOT_MIN]
+    if not big or not all(map(_blas_dot_ok, tensors)):
         return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float32)).square()
-    small = [t for t, b in zip(tensors, big) if not b]
-    small_sq = iter(torch._foreach_norm(small, 2, dtype=torch.float32) if small else ())
-    out = []
-    for t, b in zip(tensors, big):
-        if b:
-            flat = t.detach().view(-1)
-            out.append(torch.dot(flat, flat))
-        else:
-            out.append(next(small_sq).square())
-    return torch.stack(out)
+    sq = torch.empty(len(tensors), dtype=torch.float32)
+    sq[big] = torch.stack([torch.dot(flat, flat) for flat in (tensors[i].detach().view(-1) for i in big)])
+    small = [i for i, t in enumerate(tensors) if t.numel() < DOT_MIN]
+    if small:
+        sq[small] = torch.stack(torch._foreach_norm([tensors[i] for i in small], 2, dtype=torch.float32)).square()
+    return sq
+
+
+class Reused:
+    """‖t‖² of the last tensor reduced, given again without a second pass when the very same
+    tensor (same object, same version) comes next: a layer's output is the next layer's
+    input, and backward hands one gradient to both."""
+
+    def __init__(self) -> None:
+        self._last: tuple | None = None  # (weakref to the tensor, its version, ‖t‖²)
+
+    def clear(self) -> None:
+        """Forgets the last tensor."""
+        self._last = None
+
+    def __call__(self, t: torch.Tensor) -> torch.Tensor:
+        """‖t‖², reduced only if ``t`` is not the tensor reduced last (at the same version)."""
+        last = self._last
+        if last is not None and last[0]() is t and last[1] == t._version:
+            return last[2]
+        sq = squared_norm(t)
+        self._last = (weakref.ref(t), t._version, sq)
+        return sq
+
+    def passed_on(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (an alias or a tap's output) now carries the value of ``t``, the tensor reduced last."""
+        last = self._last
+        if last is not None and last[0]() is t:
+            self._last = (weakref.ref(out), out._version, last[2])
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
