@@ -40,7 +40,7 @@ from gradscope.recorder.eager import EagerGrads, hookable
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
-from gradscope.recorder.sqnorm import Reused
+from gradscope.recorder.sqnorm import Reused, squared_norm
 from gradscope.recorder.taps import (
     NormTap,
     Tap,
@@ -289,7 +289,7 @@ class Capture:
         tensor (same version) the last site passed on reuses it (a layer's ``out`` is the
         next layer's ``in``)."""
         if compiling:
-            self.fwd[slot, 1] = torch.linalg.vector_norm(t.detach(), dtype=torch.float32)
+            self.fwd[slot, 1] = squared_norm(t).sqrt()
             return
         self.pending_sq.append((slot, self._value_sq(t)))
 

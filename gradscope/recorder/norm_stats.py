@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from gradscope.models.norms import ScaleNorm
+from gradscope.recorder.sqnorm import dense_squared_norm
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 _BATCH_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm)
@@ -191,7 +192,7 @@ def isolated_grad_sq(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps:
     (s/‖x‖)(g − x̂(x̂·g)); a batch norm in training LayerNorm's form over the batch per
     channel, in eval w·g/sqrt(running var + eps); a group norm LayerNorm's form per sample
     and group. Computed in fp32 from the call's own
-    tensors."""
+    tensors, reduced by :func:`~gradscope.recorder.sqnorm.dense_squared_norm`."""
     if kind == "gn":  # per sample and group over (channels of the group, positions): LayerNorm's form
         N, C, G = x.shape[0], x.shape[1], dims
         spatial = x[0, 0].numel()
@@ -202,7 +203,7 @@ def isolated_grad_sq(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps:
         x2 = x.detach().movedim(channel, 0).reshape(C, -1).float()  # (C, everything else)
         g2 = g.movedim(channel, 0).reshape(C, -1).float()
         if not batch_stats:
-            return (w[:, None] * g2).square().sum()
+            return dense_squared_norm(w[:, None] * g2)
         x, g, w, dims = x2, g2, w[:, None], 1  # LayerNorm's form: one row per channel, normalised over the batch
         kind = "ln"
     D = math.prod(x.shape[-dims:])
@@ -211,18 +212,18 @@ def isolated_grad_sq(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps:
         n = torch.linalg.vector_norm(x2, dim=-1, keepdim=True)
         xh = x2 / n.clamp_min(eps)
         jt = torch.where(n > eps, (w / n.clamp_min(eps)) * (g2 - xh * (xh * g2).sum(-1, keepdim=True)), (w / eps) * g2)
-        return jt.square().sum()
+        return dense_squared_norm(jt)
     gh = g2 if w is None else g2 * w
 
     def ln() -> torch.Tensor:
         r = torch.rsqrt(x2.var(dim=-1, unbiased=False, keepdim=True) + eps)
         xh = (x2 - x2.mean(dim=-1, keepdim=True)) * r
-        return (r * (gh - gh.mean(-1, keepdim=True) - xh * (gh * xh).mean(-1, keepdim=True))).square().sum()
+        return dense_squared_norm(r * (gh - gh.mean(-1, keepdim=True) - xh * (gh * xh).mean(-1, keepdim=True)))
 
     def rms() -> torch.Tensor:
         r = torch.rsqrt(x2.square().mean(dim=-1, keepdim=True) + eps)
         xh = x2 * r
-        return (r * (gh - xh * (gh * xh).mean(-1, keepdim=True))).square().sum()
+        return dense_squared_norm(r * (gh - xh * (gh * xh).mean(-1, keepdim=True)))
 
     if kind == "ln":
         return ln()

@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from gradscope.recorder.layout import Layout, is_norm
+from gradscope.recorder.sqnorm import squared_norm
 from gradscope.recorder.taps import first_tensor, in_backward
 
 QUERIES = 64  # queries sampled per sequence for the attention signals
@@ -301,7 +302,7 @@ class Signals:
             if t is None or not t.is_floating_point():
                 return None
             t = t.detach()
-            self.rms[j, 0] += t.float().square().sum()
+            self.rms[j, 0] += squared_norm(t)
             self.rms[j, 1] += t.numel()
             return None
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gradscope.recorder.norm_stats import isolated_grad_sq
+from gradscope.recorder.sqnorm import dense_squared_norm
 
 
 def in_backward() -> bool:
@@ -34,7 +35,7 @@ class Tap(torch.autograd.Function):
             if ctx.eager.live(ctx.epoch):
                 ctx.eager.add(ctx.slot, ctx.eager.squared_norm(grad))
             return grad, None, None, None
-        sq = torch.linalg.vector_norm(grad, dtype=torch.float32).square().reshape(1)
+        sq = dense_squared_norm(grad).reshape(1)
         return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
 
 
