@@ -4,7 +4,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PRESET ?= default
 JOBS ?= 2
-TEST_THREADS ?= 1  # torch threads per test worker (issue 22: the suite passes at 1 and 2)
+# torch threads per test worker (issue 22: the suite passes at 1 and 2)
+TEST_THREADS ?= 1
 
 .PHONY: venv test figures clean
 
