@@ -2,16 +2,17 @@
 
 Public names:
     ModelConfig, build_model, VARIANTS, INITS, admin_init, presets — the model zoo.
-    site_names — the hook points of a model.
+    site_names — the sites the recorder probes in a model (zoo or any nn.Module).
     Recorder, record, snapshot — the recorder; load, save_frame — parquet I/O.
     COLUMNS — the tidy table's columns (SPEC §3).
 """
 
 from gradscope import presets
 from gradscope.config import ModelConfig
-from gradscope.models import INITS, VARIANTS, Site, SiteNorm, admin_init, build_model, site_names
+from gradscope.models import INITS, VARIANTS, Site, SiteNorm, admin_init, build_model
 from gradscope.io import load, save_frame
 from gradscope.recorder import Recorder, record, snapshot
+from gradscope.recorder.layout import site_names
 from gradscope.table import COLUMNS
 
 __all__ = [

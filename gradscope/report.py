@@ -29,6 +29,7 @@ import pyarrow.dataset as ds
 
 from gradscope.recorder.spike import SIGMAS, WINDOW, find_spikes
 from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, GRAD_RMS_OVER_EPS_LOW
+from gradscope.table import PARAM_ROLES
 from gradscope.sinks.parquet import read
 
 LOGIT_GROWTH = 10.0  # the largest attention logit growing more than this from the first recorded step: a warning
@@ -68,7 +69,7 @@ def spike_table(spikes: pd.DataFrame, limit: int = 15) -> list[str]:
     by = by.sort_values(["spikes", "first"], ascending=[False, True])
     out = ["| site | series | spikes | first step | largest z |", "|---|---|---|---|---|"]
     for site, r in by.head(limit).iterrows():
-        series = "act_grad_norm" if r.role else "param_grad_norm"
+        series = "act_grad_norm" if r.role and r.role not in PARAM_ROLES else "param_grad_norm"
         out.append(f"| `{site or 'total'}` | {series} | {r.spikes} | {r['first']} | {r.z:.3g} |")
     if len(by) > limit:
         out.append(f"\n… and {len(by) - limit} more sites ({int(by.spikes.sum())} spikes in all).")

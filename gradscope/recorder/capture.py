@@ -73,6 +73,7 @@ class Capture:
         self.calls = [0] * (len(self.points) + len(layout.norms))
         self.recalls = [0] * len(self.calls)
         self.seq = 0
+        self.backwards = 0  # backwards seen in the open recorded step
         self.device: torch.device | None = None
         self.probe: torch.Tensor | None = None
         self.fwd: torch.Tensor | None = None  # (n_slots, FWD): [±order (negative: not tapped), value, misfit]
@@ -167,6 +168,7 @@ class Capture:
         self.calls = [0] * len(self.calls)
         self.recalls = [0] * len(self.calls)
         self.seq = 0
+        self.backwards = 0
         self.eager.begin()
         if attention or rms or logits:
             self.signals.begin(device, attention=attention, rms=rms, logits=logits)
@@ -178,15 +180,18 @@ class Capture:
         backward, and the call counts."""
         self.on = False
         self.signals.end()
-        self.snapshot()
+        self.snapshot(backward=False)
         snapshots, self.snapshots = self.snapshots, []
         return snapshots, list(self.calls)
 
-    def snapshot(self) -> None:
+    def snapshot(self, backward: bool = True) -> None:
         """Sets this micro-step's captures aside: at the end of a backward (the probe's
-        gradient accumulated, or the eager taps' callback) and at the end of the step."""
+        gradient accumulated, or the eager taps' callback) and at the end of the step
+        (``backward=False``). ``backwards`` counts the backwards of the open step."""
         if self.probe is None:  # closed (a graph kept past close() ran backward again)
             return
+        if backward and self.on:
+            self.backwards += 1
         grads = self.probe.grad if self.probe.grad is not None else torch.zeros(self.n_taps, device=self.device)
         self.probe.grad = None
         pending = self.eager.pending

@@ -47,11 +47,13 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_taps: int) -> tuple[
 
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, wants: set[str],
-              params_unscaled: bool) -> tuple[list, np.ndarray, StepData]:
+              params_unscaled: bool, backwards: int = 1) -> tuple[list, np.ndarray, StepData]:
     """The rows of one recorded step, in the quantities' registry order.
 
     Gradient norms are divided by the GradScaler scale (key ``__scale__``); parameter norms
-    only if the user had not unscaled them already.
+    only if the user had not unscaled them already. ``backwards``: the backwards the capture
+    saw inside the step; when the forward tapped gradients but none came, the quantities
+    that read gradients have no rows (their values would be 0.0 or an earlier step's).
     """
     values = np.asarray(values, dtype=np.float64).copy()
     scale = next((values[i] for i, k in enumerate(keys) if k[4] == SCALE), None)
@@ -63,6 +65,10 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
             v = v / scale
         device.setdefault(k[4], []).append((k, float(v)))
     grad_sq, order, value, misfit = micro_steps(blocks["snapshots"], blocks["marks"], len(points) * K)
+    no_backward = backwards == 0 and bool((order > 0).any())
+    if no_backward:
+        wants = {name for name in wants if not (name in REGISTRY and REGISTRY[name].needs_backward)}
+        device = {name: rows for name, rows in device.items() if not (name in REGISTRY and REGISTRY[name].needs_backward)}
     base, index = len(points) * K, {p.name: i for i, p in enumerate(points)}
     unfit = {n.name for j, n in enumerate(layout.norms) if (misfit[base + j * K: base + (j + 1) * K] > MISFIT).any()}
     for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows
@@ -72,7 +78,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
             order[:, i * K:(i + 1) * K] = -np.abs(order[:, i * K:(i + 1) * K])
     if scale is not None:
         grad_sq = grad_sq / (scale * scale)
-    data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit)
+    data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit, no_backward)
     rows: list = []
     for name, quantity in REGISTRY.items():
         if name in wants and not quantity.logged:
@@ -96,6 +102,11 @@ def check_calls(rec, step: int, data: StepData, calls: list[int]) -> bool:
     """Raises when no hook fired although backward ran; warns (once each) about sites that
     saw no call, norms of unknown form and modules called more often than ``max_calls``.
     Returns whether any site has been seen so far."""
+    if data.no_backward and "no_backward" not in rec._warned:
+        rec._warned.add("no_backward")
+        warnings.warn(f"gradscope: step {step} was recorded but no backward ran inside it, so it has no gradient rows "
+                      "(act_grad_norm, ln_gain, param_grad_norm, ...): call loss.backward() inside `with rec.step(step):` "
+                      "(or before rec.end_step()). Later steps like this are not reported again.", stacklevel=4)
     seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
     if not seen:
         if not rec._ever_seen and rec._grad_versions is not None and rec._grad_versions != grad_versions(rec.model):

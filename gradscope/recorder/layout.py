@@ -88,6 +88,7 @@ class Layout:
     param_groups: dict[str, tuple[str, int | None, list[str]]]  # group -> (stack, layer, parameter names)
     mixers: dict[str, nn.Module] = field(default_factory=dict)  # modules offering mixing_weights()
     foreign: bool = False
+    group_roles: dict[str, str] = field(default_factory=dict)  # group -> PARAM_ROLES entry ("" when absent)
 
     def site_names(self) -> list[str]:
         """All site names, in module order."""
@@ -163,7 +164,8 @@ def _zoo_layout(model: nn.Module) -> Layout:
                 groups[f"{sname}.layers.{i}.{sub}"] = (sname, i + 1, [])
     groups["memory"] = ("", None, [])
     mixers = {n: m for n, m in model.named_modules() if callable(getattr(m, "mixing_weights", None))}
-    return Layout(probes, norms, stacks, _fill_groups(model, groups), mixers)
+    roles = {g: "embedding" if g.endswith(".embed") else "final_norm" for g in groups if g.endswith((".embed", ".final_norm"))}
+    return Layout(probes, norms, stacks, _fill_groups(model, groups), mixers, group_roles=roles)
 
 
 # -- foreign models -----------------------------------------------------------------------
@@ -230,6 +232,8 @@ def _foreign_layout(model: nn.Module) -> Layout:
             for child, sub in block.named_children():
                 if _has_params(sub):
                     groups[f"{prefix}.{child}"] = (sname, i + 1, [])
+            for pname, _ in block.named_parameters(recurse=False):  # a block's own parameters: a leaf group each
+                groups[f"{prefix}.{pname}"] = (sname, i + 1, [])
         if one_class:  # a cosine stack; outputs of another width are skipped when they arrive
             names = (f"{blocks[0][0]}.in", *(f"{p}.out" for p, _ in blocks))
             stacks.append(StackOutputs(sname, names, _width(blocks[0][1])))
@@ -251,18 +255,63 @@ def _foreign_layout(model: nn.Module) -> Layout:
             "normalisation modules (nn.LayerNorm, nn.RMSNorm, or a leaf class named *Norm). Name sites by hand by "
             "placing gradscope.Site() modules in your forward (x = self.hook_resid(x))."
         )
-    return Layout(probes, norms, stacks, _fill_groups(model, groups), {}, foreign=True)
+    outside, roles = _outside_groups(model, [p for p in groups if p in position])
+    return Layout(probes, norms, stacks, _fill_groups(model, groups, outside), {}, foreign=True, group_roles=roles)
 
 
-def _fill_groups(model: nn.Module, groups: dict) -> dict:
+def _outside_groups(model: nn.Module, blocks: list[str]) -> tuple[dict, dict[str, str]]:
+    """A leaf group for every module outside the blocks that owns parameters (by their first
+    name, so a tied LM head adds nothing twice), with its role, by where it is registered
+    relative to the blocks: ``embedding`` (an ``nn.Embedding``, or anything before the first
+    block: BERT's embedding LayerNorm, a feature encoder), ``final_norm`` (the first module
+    after the last block, when it is a norm: Llama's ``model.norm``, GPT-2's ``ln_f``),
+    ``head`` (anything else after the last block: LM head, pooler, classifier) or ``other``."""
+    modules = dict(model.named_modules())
+    order = {name: i for i, name in enumerate(modules)}
+    first_block = min((order[b] for b in blocks), default=len(order))
+    last_block = max((order[b] + sum(1 for _ in modules[b].modules()) - 1 for b in blocks), default=-1)
+    owners = []
+    for pname, _ in model.named_parameters():
+        if not any(pname.startswith(f"{b}.") for b in blocks):
+            owners.append((pname.rpartition(".")[0], pname))
+    after = [order[o] for o, _ in owners if order[o] > last_block]
+    groups: dict[str, tuple] = {}
+    roles: dict[str, str] = {}
+    for owner, pname in owners:
+        module, group = modules[owner], owner or pname  # a parameter of the root: a group of its own
+        if group not in groups:
+            if isinstance(module, nn.Embedding) or order[owner] < first_block:
+                roles[group] = "embedding"
+            elif order[owner] > last_block:
+                roles[group] = "final_norm" if is_norm(module, owner) and order[owner] == min(after) else "head"
+            else:
+                roles[group] = "other"
+            groups[group] = ("", None, [])
+        groups[group][2].append(pname)
+    for group in [g for g in groups if any(o.startswith(f"{g}.") for o in groups)]:  # a module's own parameters
+        members, role = groups.pop(group)[2], roles.pop(group)  # beside a child's group: one leaf group each
+        for pname in members:
+            groups[pname], roles[pname] = ("", None, [pname]), role
+    return groups, roles
+
+
+def _fill_groups(model: nn.Module, groups: dict, filled: dict | None = None) -> dict:
     """Puts every parameter name in the groups whose prefix it has. A parameter shared by
-    two modules is listed under each of its names, so it counts in both blocks' groups."""
+    two modules is listed under each of its names, so it counts in both blocks' groups.
+    ``filled``: groups whose members are given (by first name only), added as they are."""
     for pname, _ in model.named_parameters(remove_duplicate=False):
         groups[""][2].append(pname)
         for gname, (_, _, members) in groups.items():
             if gname and pname.startswith(f"{gname}."):
                 members.append(pname)
+    groups.update(filled or {})
     return {g: v for g, v in groups.items() if v[2]}
+
+
+def site_names(model: nn.Module) -> list[str]:
+    """The sites the recorder probes in ``model`` (a zoo model's Sites, or what it finds in
+    any other ``nn.Module``): what ``Recorder(model).site_names`` gives."""
+    return find_layout(model).site_names()
 
 
 def find_layout(model: nn.Module, sites: list[str] | None = None) -> Layout:

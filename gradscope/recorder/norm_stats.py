@@ -39,6 +39,8 @@ from gradscope.models.norms import ScaleNorm
 from gradscope.recorder.sqnorm import dense_squared_norm
 
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
+FIT_TOKENS = 256  # tokens a foreign norm's form, gain and eps are fitted on
+_EPS_ROUNDS = 10  # rounds of reading an unnamed eps from a call (each removes most of the last one's error)
 _BATCH_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm)
 
 
@@ -58,26 +60,66 @@ class Fit(NamedTuple):
     is_ln: torch.Tensor  # 0-d bool: LayerNorm's form fits better than RMSNorm's
     inv_sigma: torch.Tensor  # 0-d: mean over tokens of 1/σ_t in the better form
     misfit: torch.Tensor  # 0-d fp32: the fit's mean squared residual over Var(y)
+    eps: torch.Tensor | float  # the module's eps, or (none named) the one read from the call, of the better form
+
+
+def has_eps(module: nn.Module) -> bool:
+    """Whether the norm names its epsilon (``eps``, ``variance_epsilon`` or ``epsilon``)."""
+    return any(isinstance(getattr(module, a, None), (int, float)) for a in _EPS_ATTRS)
 
 
 def fit_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Fit | None:
     """Fits y ≈ g·x̂ + b per feature, x̂ LayerNorm's or RMSNorm's normalisation of the last
-    dimension (with the module's eps), by least squares over the call's tokens; None for a
-    single token, where a per-feature gain cannot be told from a bias. ``misfit`` is far
-    from 0 when the output is not of that form (an adaptive norm whose gain depends on the
-    token): the gradient through such a norm cannot be had without re-running it."""
-    d, eps = x.shape[-1], norm_eps(module)
-    xs, ys = x.detach().reshape(-1, d).double(), y.detach().reshape(-1, d).double()
-    if xs.shape[0] < 2:
+    dimension, by least squares over the call's tokens; None for a single token, where a
+    per-feature gain cannot be told from a bias. ``misfit`` is far from 0 when the output
+    is not of that form (an adaptive norm whose gain depends on the token): the gradient
+    through such a norm cannot be had without re-running it.
+
+    The eps is the module's when it names one. Otherwise (nanoGPT's ``F.layer_norm(...,
+    1e-5)``, a literal) it is read from the call: with a first guess the per-token scale
+    s_t of y − b against g·u_t is fitted, and 1/s_t² = α(v_t + eps) is linear in the
+    token's variance v_t, so eps = intercept / slope. Exact to rounding for any eps a
+    token's variance does not swamp; where it does, eps changes nothing measurable."""
+    d = x.shape[-1]
+    x2, y2 = x.detach().reshape(-1, d), y.detach().reshape(-1, d)
+    n = x2.shape[0]
+    if n < 2:
         return None
-    inv_ln = torch.rsqrt(xs.var(dim=-1, unbiased=False, keepdim=True) + eps)
-    inv_rms = torch.rsqrt(xs.pow(2).mean(dim=-1, keepdim=True) + eps)
-    g_ln, res_ln = _fit_gain((xs - xs.mean(dim=-1, keepdim=True)) * inv_ln, ys)
-    g_rms, res_rms = _fit_gain(xs * inv_rms, ys)
-    is_ln = res_ln <= res_rms  # the better fit names the form, with no host sync
-    misfit = torch.minimum(res_ln, res_rms) / ys.var().clamp_min(1e-30)
-    return Fit(torch.where(is_ln, g_ln, g_rms).float(), is_ln, torch.where(is_ln, inv_ln.mean(), inv_rms.mean()),
-               misfit.float())
+    if n > FIT_TOKENS:  # the form is exact on any tokens: a spread-out sample fits it at a fixed cost
+        rows = torch.linspace(0, n - 1, FIT_TOKENS, device=x2.device).round().long()
+        x2, y2 = x2[rows], y2[rows]
+    xs, ys = x2.double(), y2.double()
+    named = has_eps(module)
+    eps0 = norm_eps(module)
+    ln = _fit_form(xs - xs.mean(dim=-1, keepdim=True), ys, eps0, named)
+    rms = _fit_form(xs, ys, eps0, named)
+    is_ln = ln[2] <= rms[2]  # the better fit names the form, with no host sync
+    misfit = torch.minimum(ln[2], rms[2]) / ys.var().clamp_min(1e-30)
+    eps = eps0 if named else torch.where(is_ln, ln[3], rms[3])
+    xf = x.detach().reshape(-1, d).float()  # 1/σ_t over every token of the call
+    v = torch.where(is_ln, xf.var(dim=-1, unbiased=False), xf.square().mean(dim=-1))
+    return Fit(torch.where(is_ln, ln[0], rms[0]).float(), is_ln, torch.rsqrt(v + eps).mean(), misfit.float(), eps)
+
+
+def _fit_form(u: torch.Tensor, y: torch.Tensor, eps: float, named: bool):
+    """(gain, bias, mean squared residual, eps) of y ≈ g·u/σ + b, σ_t = sqrt(mean u_t² + eps)."""
+    v = u.square().mean(dim=-1, keepdim=True)
+    g, b, res = _fit_gain(u * torch.rsqrt(v + eps), y)
+    if named:
+        return g, b, res, eps
+    eps_hat = torch.as_tensor(eps, dtype=u.dtype, device=u.device)
+    vt = v.squeeze(-1)
+    vc = vt - vt.mean()
+    for _ in range(_EPS_ROUNDS):  # each round: per-token scales with this gain, then eps from them, then the gain again
+        gu = g * u  # per token, y − b = s_t·g·u_t with s_t = 1/σ_t (up to the gain's common scale)
+        s = (gu * (y - b)).sum(dim=-1) / gu.square().sum(dim=-1).clamp_min(1e-300)
+        inv_s2 = s.square().reciprocal()  # = α·(v_t + eps)
+        alpha = (vc * (inv_s2 - inv_s2.mean())).sum() / vc.square().sum().clamp_min(1e-300)
+        new = ((inv_s2.mean() - alpha * vt.mean()) / alpha).clamp_min(0.0)
+        eps_hat = torch.where(torch.isfinite(new), new, eps_hat)
+        r = torch.rsqrt(v + eps_hat)
+        g, b, res = _fit_gain(u * r, y)
+    return g, b, res, eps_hat
 
 
 def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor, fit: Fit | None = None) -> torch.Tensor | None:
@@ -127,13 +169,13 @@ def _gain(weight: torch.Tensor | None) -> torch.Tensor | float:
     return 1.0 if weight is None else weight.detach().float().mean()
 
 
-def _fit_gain(xhat: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-feature least squares y ≈ g·x̂ + b over tokens: (g, mean squared residual)."""
-    xc = xhat - xhat.mean(dim=0)
-    yc = y - y.mean(dim=0)
+def _fit_gain(xhat: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-feature least squares y ≈ g·x̂ + b over tokens: (g, b, mean squared residual)."""
+    xm, ym = xhat.mean(dim=0), y.mean(dim=0)
+    xc, yc = xhat - xm, y - ym
     g = (xc * yc).sum(dim=0) / (xc * xc).sum(dim=0).clamp_min(math.ulp(1.0))
     residual = (yc - g * xc).pow(2).mean()
-    return g, residual
+    return g, ym - g * xm, residual
 
 
 # -- the gradient through a norm alone, from its input and the gradient at its output -----
@@ -171,7 +213,7 @@ def norm_gain(module: nn.Module, kind: str, x: torch.Tensor, fit: Fit | None = N
     if kind == "gn":
         w = module.weight.detach().float() if module.weight is not None else torch.ones(module.num_channels, device=x.device)
         return w, None, module.eps, module.num_groups
-    return None if fit is None else (fit.gain, fit.is_ln, norm_eps(module), 1)
+    return None if fit is None else (fit.gain, fit.is_ln, fit.eps, 1)
 
 
 def _bn_gain(module: nn.Module, x: torch.Tensor):

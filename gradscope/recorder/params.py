@@ -37,12 +37,17 @@ class ParamGroups:
             index.setdefault(alias, first[id(p)])
         self.groups = list(layout.param_groups)
         self.positions = [(layout.param_groups[g][0], layout.param_groups[g][1]) for g in self.groups]
+        self.roles = [layout.group_roles.get(g, "") for g in self.groups]  # embedding, head, final_norm, other or ""
         membership = torch.zeros(len(self.groups), len(self.names))
         for gi, g in enumerate(self.groups):
             for pname in layout.param_groups[g][2]:
                 membership[gi, index[pname]] = 1.0
         self._membership = membership
         self._on: dict[torch.device, torch.Tensor] = {}
+
+    def keys(self, quantity: str) -> list[tuple]:
+        """Row keys of ``quantity`` for every group, in ``self.groups`` order."""
+        return [(-1, s, lay, g, quantity, None, r) for g, (s, lay), r in zip(self.groups, self.positions, self.roles)]
 
     @property
     def params(self) -> list[nn.Parameter]:

@@ -52,6 +52,7 @@ class StepData:
     device: dict[str, list[Row]] = field(default_factory=dict)  # rows computed on the device
     blocks: dict[str, np.ndarray] = field(default_factory=dict)  # raw arrays from the device
     unfit: set[str] = field(default_factory=set)  # norms whose output is not g·x̂ + b (adaptive norms)
+    no_backward: bool = False  # forward tapped gradients but no backward ran inside the step: no gradient rows
 
     @property
     def micro_steps(self) -> int:
@@ -94,6 +95,7 @@ class Quantity:
     captures: frozenset[str] = frozenset()
     slow: bool = False
     logged: bool = False  # values come from ``rec.log``, whatever the quantities asked for
+    needs_backward: bool = False  # reads gradients: no rows for a step whose backward did not run inside it
 
     def collect(self, rec, buf: StepBuffer) -> None:
         """Device work at the end of a recorded step (values go into ``buf``)."""
@@ -128,7 +130,7 @@ class ActNorm(Quantity):
 class ActGradNorm(Quantity):
     """‖∂loss/∂h‖₂ over the whole tensor crossing a site (Takase Fig. 3-4)."""
 
-    name, captures = "act_grad_norm", frozenset({"grad"})
+    name, captures, needs_backward = "act_grad_norm", frozenset({"grad"}), True
 
     def rows(self, data):
         sites = data.slot_sites()
@@ -175,7 +177,7 @@ class LnGain(Quantity):
     """‖grad at the norm's input through the norm alone‖ / ‖grad at its output‖ (Takase §3):
     the factor by which backward through that norm scales the gradient."""
 
-    name, captures = "ln_gain", frozenset({"grad"})
+    name, captures, needs_backward = "ln_gain", frozenset({"grad"}), True
 
     def rows(self, data):
         index = {p.name: i for i, p in enumerate(data.points)}
@@ -238,12 +240,12 @@ class Cosine(Quantity):
 class ParamGradNorm(Quantity):
     """‖grad‖ of parameters per layer, per sub-layer, per embedding, and in total (site "")."""
 
-    name = "param_grad_norm"
+    name, needs_backward = "param_grad_norm", True
 
     def collect(self, rec, buf):
         norms = group_grad_norms(rec, buf)
         if norms is not None:
-            keys = [(-1, s, lay, g, self.name, None, "") for g, (s, lay) in zip(rec.groups.groups, rec.groups.positions)]
+            keys = rec.groups.keys(self.name)
             buf.add_many(keys, norms)
 
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -141,6 +142,7 @@ class Recorder:
         self._grad_versions: list | None = None
         self._ever_seen = False
         self._warned: set[str] = set()
+        self._last_recorded: int | None = None  # the highest step recorded so far
         self._pending_update: int | None = None
         self._before_update: list[torch.Tensor] | None = None
         self._opt_handles = []
@@ -190,6 +192,7 @@ class Recorder:
         self._step = step
         if not self.records(step):
             return False
+        self._check_monotone(step)
         self._out.begin(step)
         self._wants = set(self.quantities)
         if step % (self.every * self.slow_every):
@@ -204,6 +207,17 @@ class Recorder:
         if not self._ever_seen:
             self._grad_versions = grad_versions(self.model)
         return True
+
+    def _check_monotone(self, step: int) -> None:
+        """Warns (once) when a step index is recorded again or out of order: the table would
+        hold that step twice (``gradscope.load`` of a ``log_dir`` keeps the last write)."""
+        last = self._last_recorded
+        if last is not None and step <= last and "repeat" not in self._warned:
+            self._warned.add("repeat")
+            warnings.warn(f"gradscope: step {step} recorded after step {last}: step indices should increase, or the table "
+                          "holds a step twice (rec.frame() keeps both; gradscope.load(log_dir) keeps the last write of "
+                          "each step). Pass the global step to rec.step(). Not reported again.", stacklevel=4)
+        self._last_recorded = step if last is None else max(step, last)
 
     def end_step(self) -> None:
         """Closes the open step after backward and stores the step's rows."""
@@ -263,7 +277,8 @@ class Recorder:
             keys, values, blocks = buf.to_host()  # the one host transfer of this step
             blocks["marks"] = np.stack([m for _, _, m in snapshots])
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
-                                       K=self._capture.K, wants=wants, params_unscaled=self._params_unscaled())
+                                       K=self._capture.K, wants=wants, params_unscaled=self._params_unscaled(),
+                                       backwards=self._capture.backwards)
         self._ever_seen = check_calls(self, step, data, calls)
         self._out.append(step, keys, values)
         if "update_ratio" in wants and self.optimizer is not None:
@@ -300,7 +315,7 @@ class Recorder:
         delta = self.groups.group_norms(torch._foreach_sub(now, self._before_update))
         base = self.groups.group_norms(self._before_update)
         ratio = (delta / base.clamp_min(torch.finfo(base.dtype).tiny)).cpu().double().numpy()
-        keys = [(-1, s, l, g, "update_ratio", None, "") for g, (s, l) in zip(self.groups.groups, self.groups.positions)]
+        keys = self.groups.keys("update_ratio")
         self._out.append(self._pending_update, keys, ratio)
         self._pending_update, self._before_update = None, None
 
@@ -333,6 +348,8 @@ class Recorder:
         """Restores what :meth:`state_dict` saved (e.g. when resuming from a checkpoint)."""
         self._store.load_state_dict(state["rows"])
         self._generator.set_state(state["generator"])
+        steps = self._store.steps()
+        self._last_recorded = max(steps) if steps else None
 
     # -- output ----------------------------------------------------------------------------
     def frame(self, *, gather: bool = False, dst: int = 0) -> pd.DataFrame | None:

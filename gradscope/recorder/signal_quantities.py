@@ -100,7 +100,7 @@ class GradRmsOverEps(_Signal):
     """Per parameter group, the gradient RMS ‖g‖/√n divided by the optimizer's ε (Wortsman
     et al. 2023 §3.4; Everett et al. 2024): near or below 1, Adam's update shrinks."""
 
-    name = "grad_rms_over_eps"
+    name, needs_backward = "grad_rms_over_eps", True
 
     def collect(self, rec, buf):
         eps = _group_eps(rec)
@@ -115,7 +115,7 @@ class GradRmsOverEps(_Signal):
             return
         numel = rec.groups.membership(norms.device) @ torch.tensor(
             [float(p.numel()) for p in rec.groups.params], device=norms.device)
-        keys = [(-1, s, lay, g, self.name, None, "") for g, (s, lay) in zip(rec.groups.groups, rec.groups.positions)]
+        keys = rec.groups.keys(self.name)
         buf.add_many(keys, norms / numel.clamp_min(1).sqrt() / torch.tensor(eps, device=norms.device))
 
 

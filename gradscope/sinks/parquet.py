@@ -26,19 +26,27 @@ these files as they are (``duckdb.sql("select ... from 'runs/*/*.parquet'")``).
 from __future__ import annotations
 
 import atexit
+import itertools
 import os
 import secrets
+import time
+import warnings
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from gradscope.recorder.store import RowStore
 from gradscope.sinks.base import Key, RunInfo, Sink
 from gradscope.table import COLUMNS, DTYPES, empty_frame
+
+WRITTEN_KEY = b"gradscope.written_ns"
+"""Part-file metadata: when the part was written (``time.time_ns()``); a step written twice
+(a run resumed into its own ``log_dir``) is read from the newest part that holds it."""
 
 SCHEMA: pa.Schema = pa.Schema.from_pandas(empty_frame(), preserve_index=False).remove_metadata()
 """The pyarrow schema of every part file: the SPEC §3 columns with the types pandas gives
@@ -65,6 +73,7 @@ class ParquetSink(Sink):
         self.written: list[Path] = []
         self._buffer = RowStore()
         self._recorded = 0  # recorded steps in the buffer
+        self._on_disk: int | None = None  # the last step earlier runs wrote to log_dir for this rank
         self._closed = False
 
     def open(self, info: RunInfo) -> None:
@@ -72,9 +81,15 @@ class ParquetSink(Sink):
         if self.log_dir.exists() and not self.log_dir.is_dir():
             raise NotADirectoryError(f"log_dir: {self.log_dir} exists and is not a folder")
         self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._on_disk = _last_step_on_disk(self.log_dir, info.rank)
         atexit.register(self.flush)
 
     def begin(self, step: int) -> None:
+        if self._on_disk is not None and step <= self._on_disk:
+            warnings.warn(f"gradscope: step {step} is already in {self.log_dir} (an earlier run of rank {self.info.rank} "
+                          f"wrote steps up to {self._on_disk}): a resumed run writes it again, and gradscope.load keeps "
+                          "this newest write of each step", stacklevel=5)
+            self._on_disk = None  # said once
         if self._recorded >= self.flush_every:
             self.flush()
         self._recorded += 1
@@ -94,6 +109,7 @@ class ParquetSink(Sink):
             return
         steps = self._buffer.steps()
         table = to_arrow(self.pending())
+        table = table.replace_schema_metadata({**table.schema.metadata, WRITTEN_KEY: str(time.time_ns()).encode()})
         name = f"part-r{self.info.rank}-{min(steps):010d}-{max(steps):010d}-{secrets.token_hex(4)}.parquet"
         self.written.append(write_part(table, self.log_dir / name))
         self._buffer, self._recorded = RowStore(), 0
@@ -111,6 +127,40 @@ class ParquetSink(Sink):
         if self.info is not None and len(self._buffer):
             parts.append(self.pending())
         return pd.concat(parts, ignore_index=True).astype(DTYPES) if parts else empty_frame()
+
+
+def _last_step_on_disk(log_dir: Path, rank: int) -> int | None:
+    """The last step of the part files already in ``log_dir`` for ``rank`` (read from their
+    names, ``part-r<rank>-<first>-<last>-<random>.parquet``), or None."""
+    last = None
+    for p in log_dir.glob(f"part-r{rank}-*.parquet"):
+        fields = p.stem.split("-")
+        if len(fields) == 5 and fields[3].isdigit():
+            last = max(int(fields[3]), last if last is not None else int(fields[3]))
+    return last
+
+
+def _last_writes(tables: list[pa.Table], stamps: list[int]) -> pd.DataFrame:
+    """The parts' rows in one frame, each (run, rank, step, quantity) from the newest part
+    that holds it. Parts whose (run, rank, step range) overlap no other part's are taken
+    whole, without a group-by (the common case: one run, written once)."""
+    key = [c for c in ("run", "rank", "step", "quantity") if all(c in t.column_names for t in tables)]
+    if len(tables) < 2 or "step" not in key:
+        return pa.concat_tables(tables).to_pandas()
+    spans = []
+    for t in tables:
+        ids = set(itertools.product(*(pc.unique(t[c]).to_pylist() for c in key if c in ("run", "rank"))))
+        lo_hi = pc.min_max(t["step"]).as_py() if t.num_rows else {"min": None, "max": None}
+        spans.append((ids, lo_hi["min"], lo_hi["max"]))
+    overlap = any(a[1] is not None and b[1] is not None and a[0] & b[0] and a[1] <= b[2] and b[1] <= a[2]
+                  for i, a in enumerate(spans) for b in spans[i + 1:])
+    if not overlap:
+        return pa.concat_tables(tables).to_pandas()
+    order = np.argsort(np.argsort(stamps, kind="stable"), kind="stable")  # write order of each part
+    df = pa.concat_tables(tables).to_pandas()
+    df["_written"] = np.repeat(order, [t.num_rows for t in tables])
+    newest = df.groupby(key, dropna=False, sort=False)["_written"].transform("max")
+    return df[df["_written"] == newest].drop(columns="_written").reset_index(drop=True)
 
 
 def to_arrow(df: pd.DataFrame) -> pa.Table:
@@ -183,8 +233,11 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
         progress: show a progress bar over the files.
 
     Returns:
-        The rows, with the dtypes of ``rec.frame()``. Parts written before the ``role``
-        column existed get it from :func:`gradscope.io.legacy_roles`.
+        The rows, with the dtypes of ``rec.frame()``. A (run, rank, step, quantity) found
+        in several parts (a run resumed from a checkpoint into its own ``log_dir`` writes
+        again the steps it had flushed after that checkpoint) is read from the newest part
+        only: the last write wins. Parts written before the ``role`` column existed get it
+        from :func:`gradscope.io.legacy_roles`.
 
     Raises:
         FileNotFoundError: no parquet file there.
@@ -196,7 +249,7 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
 
     dataset = open_dataset(path)
     columns = list(columns or COLUMNS)
-    tables, legacy = [], False
+    tables, stamps, legacy = [], [], False
     for fragment in tqdm(dataset.get_fragments(), total=len(dataset.files), desc="reading parts", unit="file",
                          disable=not progress, leave=False):
         try:
@@ -208,7 +261,9 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
             raise ValueError(f"gradscope.load: {fragment.path} is parquet but not a gradscope table (no {FORMAT_KEY.decode()} tag)")
         legacy |= "role" not in schema.names
         tables.append(table)
-    df = pa.concat_tables(tables).to_pandas()
+        stamp = (schema.metadata or {}).get(WRITTEN_KEY)
+        stamps.append(int(stamp) if stamp is not None else os.stat(fragment.path).st_mtime_ns)
+    df = _last_writes(tables, stamps)
     if legacy and {"role", "quantity", "site", "stack", "layer", "variant"} <= set(columns):
         missing = df["role"].isna()
         df.loc[missing, "role"] = legacy_roles(df[missing].astype({c: DTYPES[c] for c in df.columns}))

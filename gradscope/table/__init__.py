@@ -12,6 +12,7 @@ from gradscope.table import select
 from gradscope.table.schema import (
     COLUMNS,
     DTYPES,
+    PARAM_ROLES,
     QUANTITIES,
     ROLES,
     SWEEP_COLUMNS,
@@ -23,6 +24,6 @@ from gradscope.table.schema import (
 )
 
 __all__ = [
-    "COLUMNS", "DTYPES", "QUANTITIES", "ROLES", "SWEEP_COLUMNS", "ZOO_SUFFIX_ROLES", "concat", "empty_frame", "make_frame", "select",
-    "validate",
+    "COLUMNS", "DTYPES", "PARAM_ROLES", "QUANTITIES", "ROLES", "SWEEP_COLUMNS", "ZOO_SUFFIX_ROLES", "concat", "empty_frame",
+    "make_frame", "select", "validate",
 ]

@@ -85,6 +85,12 @@ ROLES: tuple[str, ...] = (
 )
 """What a site is (the ``role`` column); rows that are not at a site have role ``""``."""
 
+PARAM_ROLES: tuple[str, ...] = ("embedding", "head", "final_norm", "other")
+"""What a parameter group outside the layers is (the ``role`` of its ``param_grad_norm``,
+``update_ratio`` and ``grad_rms_over_eps`` rows): every parameter of a model is in exactly
+one leaf group, and those outside the layers' groups get one of these; the total (site
+``""``) and the layers' groups have role ``""``."""
+
 ZOO_SUFFIX_ROLES: tuple[tuple[str, str], ...] = (
     ("final_norm.in", "final_norm_in"), ("final_norm.out", "final_norm_out"), ("norm.in", "norm_in"),
     ("norm.out", "norm_out"), ("embed.out", "embed"), ("combine.out", "combine"), (".branch", "branch"),
