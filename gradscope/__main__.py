@@ -56,7 +56,7 @@ def print_scan(result, out: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     scan_layers(result.layers, ax=ax, title=title)
     fig.tight_layout()
-    atomic_write(out / "scan.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120))
+    atomic_write(out / "scan.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     plt.close(fig)
     print(f"\nwrote {out / 'scan.png'} and {out / 'scan.parquet'}")
 

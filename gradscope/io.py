@@ -43,12 +43,20 @@ def _default_mode() -> int:
     return 0o666 & ~umask
 
 
+PARQUET_SUFFIXES = (".parquet", ".pq")
+
+
 def save_frame(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     """Writes a gradscope table to parquet atomically, tagged with the format version.
 
     Raises:
-        ValueError: ``df`` lacks the canonical columns.
+        ValueError: ``df`` lacks the canonical columns, or ``path`` names another format
+            (``run.csv``: write CSV with ``df.to_csv``; this writes parquet only).
     """
+    suffix = Path(path).suffix.lower()
+    if suffix not in PARQUET_SUFFIXES:
+        raise ValueError(f"save: {path} would be parquet under a {suffix or 'missing'} suffix; name it *.parquet "
+                         f"(valid: {', '.join(PARQUET_SUFFIXES)}), or write CSV yourself with rec.frame().to_csv(path)")
     validate(df.columns, source="save")
     table = pa.Table.from_pandas(df[list(COLUMNS)].astype(DTYPES), preserve_index=False)
     table = table.replace_schema_metadata({**(table.schema.metadata or {}), FORMAT_KEY: FORMAT_VERSION})

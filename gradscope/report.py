@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.dataset as ds
 
-from gradscope.recorder.spike import SIGMAS, WINDOW, find_spikes
+from gradscope.recorder.spike import SIGMAS, WINDOW, find_spikes, too_few_for_spikes
 from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, GRAD_RMS_OVER_EPS_LOW
 from gradscope.table import PARAM_ROLES
 from gradscope.sinks.parquet import read
@@ -60,10 +60,12 @@ def decay_lines(rows: pd.DataFrame, step: int) -> list[str]:
     return lines
 
 
-def spike_table(spikes: pd.DataFrame, limit: int = 15) -> list[str]:
-    """Markdown rows: spikes by site, most first."""
+def spike_table(spikes: pd.DataFrame, limit: int = 15, steps: int | None = None) -> list[str]:
+    """Markdown rows: spikes by site, most first. ``steps``: the longest series' length,
+    when the caller knows it (too short a series says so instead of "no spikes")."""
     if spikes.empty:
-        return ["No spikes."]
+        short = too_few_for_spikes(steps) if steps is not None else None
+        return [f"None: {short}." if short else "No spikes."]
     by = spikes.groupby("site", sort=False).agg(spikes=("step", "size"), first=("step", "min"), z=("value", "max"),
                                                 role=("role", "first"))
     by = by.sort_values(["spikes", "first"], ascending=[False, True])
@@ -133,7 +135,7 @@ def report_run(rows: pd.DataFrame, out: Path, name: str, max_bins: int = 500) ->
               f"below {DECAY_VANISHING} vanishing, above {DECAY_EXPLODING} exploding)", ""]
     lines += decay_lines(outs, int(steps.min())) + decay_lines(outs, int(steps.max())) + [""]
     lines += [f"### Spikes (> {SIGMAS:g}σ above the mean of the site's previous {WINDOW} values; {source})", ""]
-    lines += spike_table(spikes) + ["", "### First non-finite value", "", first_nonfinite(rows), ""]
+    lines += spike_table(spikes, steps=len(steps)) + ["", "### First non-finite value", "", first_nonfinite(rows), ""]
     signals = signal_lines(rows)
     if signals:
         lines += ["### Signals before instability", "", *signals, ""]
@@ -144,7 +146,7 @@ def report_run(rows: pd.DataFrame, out: Path, name: str, max_bins: int = 500) ->
         draw(ax)
         fig.tight_layout()
         path = out / f"{_safe(name)}_{kind}.png"
-        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110))
+        atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
         plt.close(fig)
         figures.append(f"![{kind}]({path.name})")
     return lines + ["### Figures", ""] + figures + [""]

@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 from matplotlib.axes import Axes
 from matplotlib.lines import Line2D
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import FixedLocator, MaxNLocator
 from matplotlib.transforms import blended_transform_factory
 
 LOSS_UNIT = "nats"
@@ -68,6 +68,9 @@ def finish(ax: Axes, title: str | None, notes: Iterable[str], rule: str = "") ->
     averaging), and a line stating ``rule`` (masking) when given."""
     note = " · ".join(n for n in notes if n)
     ax.set_title("\n".join(t for t in (title, note, rule) if t), fontsize="medium")
+    for axis in (ax.xaxis, ax.yaxis):  # steps and layers are whole numbers: no 2.5 on their ticks
+        if axis.get_label_text().startswith(("step", "layer")) and not isinstance(axis.get_major_locator(), FixedLocator):
+            axis.set_major_locator(MaxNLocator(integer=True))
     return ax
 
 

@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 
 from gradscope.plots import _style
-from gradscope.recorder.spike import SIGMAS, WINDOW
+from gradscope.recorder.spike import SIGMAS, WINDOW, too_few_for_spikes
 
 NONFINITE_MARKER = dict(marker="*", s=90, color="magenta", edgecolor="black", linewidths=0.5, zorder=5)
 SPIKE_MARKER = dict(marker="v", s=40, color="red", zorder=4)
@@ -154,6 +154,7 @@ def layer_series(df: pd.DataFrame, *, layers: Sequence[tuple[str, int]] | None =
         for stack, group in rows.groupby("stack", sort=False):
             found = sorted(group.layer.dropna().unique().tolist())
             layers += [(stack, found[i]) for i in sorted({0, len(found) // 2, len(found) - 1})]
+    looked = spikes is not None or (df.quantity == "spike").any()
     spikes = df[df.quantity == "spike"] if spikes is None else spikes
     ax = _style.get_ax(ax)
     marked = []
@@ -175,8 +176,10 @@ def layer_series(df: pd.DataFrame, *, layers: Sequence[tuple[str, int]] | None =
     mark_nonfinite(df, ax)
     extra = [] if not marked else [_spike_handle()]
     _style.legend(ax, extra)
+    short = too_few_for_spikes(int(rows.step.nunique()))
     note = (f"▼ spike: > {SIGMAS:g}σ above the mean of the previous {WINDOW} values ({sum(marked)} shown)" if marked
-            else "no spikes")
+            else short if short else "no spikes" if looked
+            else "spikes not looked for: no 'spike' rows (record it, or pass spikes=find_spikes(df))")
     return _style.finish(ax, title, [f"{quantity} at {role} sites", note])
 
 

@@ -97,6 +97,14 @@ class SpikeDetector:
         return out, z[found]
 
 
+def too_few_for_spikes(steps: int, window: int = WINDOW) -> str | None:
+    """Why a series of ``steps`` values cannot show a spike yet (the rule needs half a
+    window of earlier values), or None when it can."""
+    if steps > window // 2:
+        return None
+    return f"too few steps to look for spikes ({steps}; the rule needs more than {window // 2})"
+
+
 def find_spikes(df: pd.DataFrame, *, window: int = WINDOW, sigmas: float = SIGMAS,
                 watch: tuple[str, ...] = WATCHED) -> pd.DataFrame:
     """The spike rows a :class:`SpikeDetector` would have recorded, computed from a table.

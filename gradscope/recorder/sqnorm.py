@@ -16,16 +16,21 @@ Eq. 4.4: a sum of k non-negative terms in any order is within γ_{k-1} = (k-1)u/
 relative): each row carries at most 64 roundings of its squares and partial sums plus 2
 from the fp32 square root squared again, the fp64 sum of the rows adds < 1e-8 up to 2^26
 elements, and the fp32 result one more, so the relative error is at most
-67·2⁻²⁴ ≈ 4.0e-6 *whatever kernel runs and in whatever order it adds*. In practice kernels
-add a row in several interleaved lanes, and the error measured on adversarial data (one
-large value swamping 63 small ones per row, a large common offset, mixed magnitudes) is
-≤ 4e-7 at every ATen CPU capability; ``tests/test_recorder_sqnorm.py`` holds it to 1e-6
-against an fp64 sum at 2^20 to 2^26 elements.
+67·2⁻²⁴ ≈ 4.0e-6 *whatever kernel runs and in whatever order it adds*. ATen's kernels add
+a row in several interleaved lanes at every CPU capability, and the error measured on
+adversarial data (one large value swamping 63 small ones per row, a large common offset,
+mixed magnitudes) is ≤ 4e-7; ``tests/test_recorder_sqnorm.py`` holds it to 1e-6 against
+an fp64 sum at 2^20 to 2^26 elements.
+
+Traced by Dynamo (compiled capture), the sum is written so that Inductor fuses it: 8
+columns of the tensor squared and added in fp32, the column sums in fp64, with no square
+root. Inductor may add those 8 terms in one sequence (it does at
+``ATEN_CPU_CAPABILITY=default``, where a single 64-term row reached the 4e-6 above), so
+the bound there is proven, not measured: 9·2⁻²⁴ ≈ 5.4e-7 for any kernel.
 
 The cost is that of one pass over the data: within 10 % of BLAS ``dot`` on a cold 131 k-
-float activation and equal to it from 1 M floats on (measured on the project's CPU). The
-same code is traced by Dynamo, so compiled capture reduces the same way (Inductor fuses the
-two levels).
+float activation and equal to it from 1 M floats on (measured on the project's CPU); the
+traced form costs about what Inductor's own fp32 ``vector_norm`` did.
 """
 
 from __future__ import annotations
@@ -34,9 +39,11 @@ import weakref
 
 import torch
 
-BLOCK = 64  # terms an fp32 partial sum may hold: the bound above is (BLOCK + 3)·2⁻²⁴
+BLOCK = 64  # eager: terms an fp32 partial sum may hold; the bound above is (BLOCK + 3)·2⁻²⁴
+TRACED_BLOCK = 8  # traced: terms per fp32 partial sum; the bound is (TRACED_BLOCK + 1)·2⁻²⁴ ≈ 5.4e-7
 DENSE_MIN = 1 << 14  # CPU: elements from which a tensor gets its own blocked reduction; below, one fused fp64 ``_foreach_norm``
-RELATIVE_ERROR_BOUND = (BLOCK + 3) * 2.0**-24  # the worst case above, for any kernel
+RELATIVE_ERROR_BOUND = (BLOCK + 3) * 2.0**-24  # the worst case above, eagerly, for any kernel
+TRACED_ERROR_BOUND = (TRACED_BLOCK + 1) * 2.0**-24  # the worst case under torch.compile, for any kernel
 
 
 def squared_norm(t: torch.Tensor) -> torch.Tensor:
@@ -59,6 +66,12 @@ def dense_squared_norm(t: torch.Tensor) -> torch.Tensor:
     ``autograd.Function``'s backward, where Dynamo's strict mode reads no ``layout``)."""
     flat = t.reshape(-1)
     n = flat.numel()
+    if torch.compiler.is_compiling():  # Inductor fuses it: square and add 8 terms per column, columns in fp64
+        head = n - n % TRACED_BLOCK
+        if head == 0 or flat.dtype == torch.float64:
+            return flat.double().square().sum().float()
+        cols = flat[:head].view(TRACED_BLOCK, -1).float().square().sum(dim=0)
+        return (cols.double().sum() + flat[head:].double().square().sum()).float()
     head = n - n % BLOCK
     if head == 0 or flat.dtype == torch.float64:
         return torch.linalg.vector_norm(flat, dtype=torch.float64).square().float()
