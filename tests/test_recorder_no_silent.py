@@ -134,3 +134,41 @@ def test_a_run_killed_and_resumed_from_a_checkpoint_loads_each_step_once(tmp_pat
     assert (both.value == both.value_resumed).all()
     killed = first[first.step.between(5, 7)].merge(resumed, on=KEY, suffixes=("", "_resumed"))
     assert (killed.quantity == "loss").any() and (killed.value != killed.value_resumed).any()
+
+
+def test_qwen3_per_head_norms_do_not_hide_the_cosine_stack():
+    """Qwen3's blocks hold per-head q_norm/k_norm (width head_dim) besides the residual
+    stream's norms: the stack's width is the widest norm's, so cosine rows exist, and
+    equal an explicit loop over the layer outputs' cosines (every token taken)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=2, num_key_value_heads=1, head_dim=8, max_position_embeddings=32)
+    model, ids = transformers.Qwen3ForCausalLM(cfg), torch.randint(0, 64, (2, 8))
+    outs = []
+    hooks = [layer.register_forward_hook(lambda m, a, kw, o: outs.append(o[0] if isinstance(o, tuple) else o), with_kwargs=True)
+             for layer in model.model.layers]
+    hooks.append(model.model.layers[0].register_forward_pre_hook(
+        lambda m, a, kw: outs.insert(0, kw.get("hidden_states", a[0] if a else None)), with_kwargs=True))
+    with gradscope.record(model, quantities=["cosine"], slow_every=1, cosine_tokens=10_000) as rec:
+        model(input_ids=ids, labels=ids).loss.backward()
+    for h in hooks:
+        h.remove()
+    df = rec.frame()
+    cos = df[df.quantity == "cosine"]
+    assert len(cos) == 9, "no cosine rows: the stack's width was taken from a per-head norm"
+    y = [o.detach().reshape(-1, 32).double() for o in outs]
+    want = torch.nn.functional.cosine_similarity(y[0], y[2], dim=-1).mean().item()
+    got = cos[(cos.layer == 0) & (cos.layer_j == 2)].value.item()
+    assert got == pytest.approx(want, rel=1e-5)
+
+
+def test_a_stack_that_changes_width_warns_instead_of_a_silent_gap():
+    pytest.importorskip("transformers")
+    from test_recorder_published import build
+
+    model, run = build("wav2vec2_stable")  # a convolutional feature encoder: a stack whose outputs change shape
+    with pytest.warns(UserWarning, match=r"no cosine rows for stack\(s\) \['wav2vec2.feature_extractor.conv_layers'\]"):
+        with gradscope.record(model, quantities="all", slow_every=1) as rec:
+            run().backward()
+    assert (rec.frame().quantity == "cosine").any()  # the encoder's own stack still has its rows

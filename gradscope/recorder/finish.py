@@ -124,6 +124,15 @@ def check_calls(rec, step: int, data: StepData, calls: list[int]) -> bool:
         rec._warned.update(silent)
         warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
                       f"{silent[:8]}{' ...' if len(silent) > 8 else ''} (drop them with sites=...)", stacklevel=4)
+    if "cosine" in rec._wants:
+        written = {k.split(":", 1)[1]: w for k, w in data.blocks.items() if k.startswith("cosine_written:")}
+        missing = [st.name for st in rec.layout.stacks if not (st.name in written and written[st.name].all())
+                   and f"cosine:{st.name}" not in rec._warned]
+        if missing:
+            rec._warned.update(f"cosine:{m}" for m in missing)
+            warnings.warn(f"gradscope: no cosine rows for stack(s) {missing} in step {step}: not every layer output "
+                          "was seen with the stack's feature width (outputs that change width, as a convolutional "
+                          "feature encoder's, or a layer that was not called)", stacklevel=4)
     if "cosine" in rec._wants and not rec.layout.stacks and "cosine" not in rec._warned:
         rec._warned.add("cosine")
         warnings.warn("gradscope: no cosine rows: the model has no layer stack (an nn.ModuleList of two or more "

@@ -208,16 +208,18 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Mod
 
 
 def _width(block: nn.Module) -> int | None:
-    """Feature width of a block's output, read from a norm inside it when there is one."""
+    """Feature width of a block's output, read from the widest norm inside it (the residual
+    stream's: Qwen3's per-head ``q_norm``/``k_norm`` are narrower)."""
+    widths = []
     for name, m in block.named_modules():
         if is_norm(m, name):
             w = getattr(m, "weight", None)
             shape = getattr(m, "normalized_shape", None)
             if shape:
-                return int(shape[-1])
-            if w is not None and w.dim() == 1:
-                return int(w.shape[0])
-    return None
+                widths.append(int(shape[-1]))
+            elif w is not None and w.dim() == 1:
+                widths.append(int(w.shape[0]))
+    return max(widths, default=None)
 
 
 def _foreign_layout(model: nn.Module) -> Layout:
