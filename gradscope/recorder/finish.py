@@ -150,3 +150,15 @@ def check_calls(rec, step: int, data: StepData, calls: list[int]) -> bool:
         warnings.warn(f"gradscope: {over[:4]} called more than max_calls={rec._capture.K} times in one forward; "
                       "later calls are added into the last row (raise max_calls)", stacklevel=4)
     return True
+
+
+def check_monotone(rec, step: int, last: int | None) -> int:
+    """Warns (once per Recorder) when ``step`` is recorded again or out of order: the table
+    would hold that step twice (``gradscope.load`` of a ``log_dir`` keeps the last write).
+    Returns the highest step recorded so far."""
+    if last is not None and step <= last and "repeat" not in rec._warned:
+        rec._warned.add("repeat")
+        warnings.warn(f"gradscope: step {step} recorded after step {last}: step indices should increase, or the table "
+                      "holds a step twice (rec.frame() keeps both; gradscope.load(log_dir) keeps the last write of "
+                      "each step). Pass the global step to rec.step(). Not reported again.", stacklevel=5)
+    return step if last is None else max(step, last)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
-import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,7 +33,7 @@ import torch
 from torch import nn
 
 from gradscope.recorder.capture import Capture
-from gradscope.recorder.finish import check_calls, step_rows
+from gradscope.recorder.finish import check_calls, check_monotone, step_rows
 from gradscope.recorder.layout import find_layout
 from gradscope.recorder.params import ParamGroups
 from gradscope.recorder.quantities import REGISTRY, SLOW_QUANTITIES, resolve_quantities
@@ -192,7 +191,7 @@ class Recorder:
         self._step = step
         if not self.records(step):
             return False
-        self._check_monotone(step)
+        self._last_recorded = check_monotone(self, step, self._last_recorded)
         self._out.begin(step)
         self._wants = set(self.quantities)
         if step % (self.every * self.slow_every):
@@ -207,17 +206,6 @@ class Recorder:
         if not self._ever_seen:
             self._grad_versions = grad_versions(self.model)
         return True
-
-    def _check_monotone(self, step: int) -> None:
-        """Warns (once) when a step index is recorded again or out of order: the table would
-        hold that step twice (``gradscope.load`` of a ``log_dir`` keeps the last write)."""
-        last = self._last_recorded
-        if last is not None and step <= last and "repeat" not in self._warned:
-            self._warned.add("repeat")
-            warnings.warn(f"gradscope: step {step} recorded after step {last}: step indices should increase, or the table "
-                          "holds a step twice (rec.frame() keeps both; gradscope.load(log_dir) keeps the last write of "
-                          "each step). Pass the global step to rec.step(). Not reported again.", stacklevel=4)
-        self._last_recorded = step if last is None else max(step, last)
 
     def end_step(self) -> None:
         """Closes the open step after backward and stores the step's rows."""
