@@ -127,3 +127,41 @@ def test_a_literal_eps_is_read_from_the_call():
         fit = fit_norm(norm, x, norm(x))
         assert abs(float(fit.eps) / eps - 1) < 1e-2, (kind, float(fit.eps))
         assert bool(fit.is_ln) == (kind == "nanogpt")
+
+
+class ScaledPostLN(nn.Module):
+    """A Post-LN block that scales its norm's output in place and returns it."""
+
+    def __init__(self, norm: nn.Module):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(D, D), norm
+
+    def forward(self, x):
+        y = self.ln(x + self.fc(x))
+        y.mul_(1.5)
+        return y
+
+
+@pytest.mark.parametrize("kind", ["nn.LayerNorm", "nanogpt"])
+def test_an_inplace_op_on_a_norm_output_the_block_returns(kind):
+    """Every site's gradient against autograd; ``ln.out`` is the gradient of the value the
+    norm produced, 1.5 × that of the tensor after the in-place scale (which the reference's
+    retained view sees)."""
+    torch.manual_seed(0)
+    make = (lambda: nn.LayerNorm(D)) if kind == "nn.LayerNorm" else (lambda: NanoLayerNorm(D, bias=True))
+    model = nn.Sequential(*[ScaledPostLN(make()) for _ in range(3)])
+    x = torch.randn(2, 5, D) * 0.05
+    run = lambda: model(x).pow(3).mean()
+    sites = {f"{i}.ln.in": (model[i].ln, "input") for i in range(3)}
+    sites.update({f"{i}.out": (model[i], "output") for i in range(3)})
+    sites.update({f"{i}.in": (model[i], "input") for i in range(1, 3)})
+    sites.update({f"{i}.ln.out": (model[i].ln, "output") for i in range(3)})
+    want = {}
+    for name, where in sites.items():  # one site at a time: each reference view alone in the graph
+        want.update(site_gradients(model, {name: where}, run)[0])
+    with gradscope.record(model) as rec:
+        run().backward()
+    got = rec.frame().query("quantity == 'act_grad_norm'").set_index("site").value
+    for name, value in want.items():
+        scale = 1.5 if name.endswith("ln.out") else 1.0
+        assert abs(got[name] / (scale * value) - 1) < BOUND, name
