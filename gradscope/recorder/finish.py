@@ -114,9 +114,9 @@ def check_calls(rec, step: int, data: StepData, calls: list[int]) -> bool:
                 "Recorder: backward ran in this step but none of the recorder's hooks fired. Most likely the model "
                 "was compiled and called before the Recorder was made (torch.compile does not see hooks added after "
                 "its first trace): make the Recorder before the first compiled call, or call torch._dynamo.reset(). "
-                "Or another instance of the same model class was compiled earlier in this process, and Dynamo, which "
-                "by default does not guard on module hooks, reused that graph: set "
-                "torch._dynamo.config.skip_nnmodule_hook_guards = False before compiling."
+                "Or another instance of the same model class was compiled and run before the Recorder was made, and "
+                "Dynamo, which then did not guard on module hooks, reuses that graph: make the Recorder first (while a "
+                "Recorder is open, gradscope turns torch._dynamo.config.skip_nnmodule_hook_guards off)."
             )
         return rec._ever_seen
     silent = [p.name for p in rec._capture.points if p.name not in seen and p.name not in rec._warned]

@@ -39,7 +39,7 @@ from gradscope.recorder.params import ParamGroups
 from gradscope.recorder.quantities import REGISTRY, SLOW_QUANTITIES, resolve_quantities
 from gradscope.recorder.spike import SPIKE, SpikeDetector
 from gradscope.recorder.store import RowStore, StepBuffer
-from gradscope.recorder.wrappers import dist_rank, grad_versions, no_autocast, unwrap
+from gradscope.recorder.wrappers import HookGuards, dist_rank, grad_versions, no_autocast, unwrap
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.sinks.outlet import Outlet, make_sinks
 
@@ -133,6 +133,7 @@ class Recorder:
                            SpikeDetector() if SPIKE in self.quantities else None)
         self._forward_params = _positional_names(model)
         self._capture = Capture(model, self.layout, max_calls, self._token_masks)
+        HookGuards.acquire()  # compiled: an instance with our hooks never runs another's graph (released by close)
         self._capture.install(frozenset().union(*(REGISTRY[q].captures for q in self.quantities if q in REGISTRY)))
         self._wants: set[str] = set()
         self._buffer: StepBuffer | None = None
@@ -373,6 +374,8 @@ class Recorder:
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer) and flushes and closes the sinks;
         the recorded table stays readable."""
+        if not self._closed:
+            HookGuards.release()
         self._capture.remove()
         for h in self._opt_handles:
             h.remove()

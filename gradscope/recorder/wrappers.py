@@ -44,3 +44,33 @@ def dist_rank() -> int:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_rank()
     return 0
+
+
+class HookGuards:
+    """Makes Dynamo guard on module hooks while any Recorder is open.
+
+    By default Dynamo does not (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a
+    compiled model of one class may run the graph traced from another instance of that
+    class, hooks or no hooks: a Recorder on the second would see no hook fire. While a
+    Recorder is open the guards are on, so an instance with the recorder's hooks and one
+    without each get their own graph; the setting is restored when the last one closes.
+    """
+
+    _open = 0
+    _saved: bool | None = None
+
+    @classmethod
+    def acquire(cls) -> None:
+        config = torch._dynamo.config
+        if cls._open == 0:
+            cls._saved = config.skip_nnmodule_hook_guards
+            config.skip_nnmodule_hook_guards = False
+        cls._open += 1
+
+    @classmethod
+    def release(cls) -> None:
+        if cls._open == 0:
+            return
+        cls._open -= 1
+        if cls._open == 0 and cls._saved is not None:
+            torch._dynamo.config.skip_nnmodule_hook_guards = cls._saved
