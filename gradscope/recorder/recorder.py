@@ -133,7 +133,6 @@ class Recorder:
                            SpikeDetector() if SPIKE in self.quantities else None)
         self._forward_params = _positional_names(model)
         self._capture = Capture(model, self.layout, max_calls, self._token_masks)
-        HookGuards.acquire()  # compiled: an instance with our hooks never runs another's graph (released by close)
         self._capture.install(frozenset().union(*(REGISTRY[q].captures for q in self.quantities if q in REGISTRY)))
         self._wants: set[str] = set()
         self._buffer: StepBuffer | None = None
@@ -150,6 +149,7 @@ class Recorder:
         self._lr_from_optimizer = optimizer is not None
         if optimizer is not None:
             self.attach_optimizer(optimizer)
+        HookGuards.acquire()  # compiled: an instance with our hooks never runs another's graph (released by close)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Measures ``update_ratio`` around ``optimizer.step()`` (hooks removed by ``close``).
