@@ -98,6 +98,7 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
 
 # -- LEGACY: tables written before the ``role`` column -----------------------------------------
 _SITE_QUANTITIES = ("act_grad_norm", "act_norm", "nonfinite", "nonfinite_grad")
+_GROUP_QUANTITIES = ("param_grad_norm", "update_ratio", "grad_rms_over_eps")
 
 
 def legacy_roles(df: pd.DataFrame) -> pd.Series:
@@ -109,8 +110,9 @@ def legacy_roles(df: pd.DataFrame) -> pd.Series:
     derive a role from a site name. This function reads names the way that layout named
     them at the time:
 
-    - rows of quantities that are not at a site (``param_grad_norm``, ``ln_gain``,
-      ``cosine``, ``loss``...): ``""``;
+    - rows of quantities that are not at a site (``ln_gain``, ``cosine``, ``loss``...):
+      ``""``; parameter groups ``""`` too, but a zoo model's ``<stack>.embed`` and
+      ``<stack>.final_norm`` groups: ``embedding`` and ``final_norm``;
     - ``<stack>.layers.<i>.in`` / ``.out`` (zoo) and ``<stack>.<i>.in`` / ``.out`` (blocks
       of other models), with ``stack`` and ``layer = i + 1`` from the row: ``layer_in`` /
       ``layer_out``;
@@ -133,10 +135,17 @@ def legacy_roles(df: pd.DataFrame) -> pd.Series:
     found = df[keys].drop_duplicates()  # a few hundred distinct sites, however long the table
     found["role"] = [
         _legacy_role(str(site), str(stack), None if pd.isna(layer) else int(layer), str(variant) in VARIANTS)
-        if quantity in _SITE_QUANTITIES else ""
+        if quantity in _SITE_QUANTITIES else _legacy_group_role(str(site), quantity, str(variant) in VARIANTS)
         for quantity, site, stack, layer, variant in found.itertuples(index=False, name=None)
     ]
     return df[keys].merge(found, on=keys, how="left")["role"].set_axis(df.index).astype("string")
+
+
+def _legacy_group_role(site: str, quantity: str, zoo: bool) -> str:
+    """A zoo parameter group's role (``<stack>.embed``, ``<stack>.final_norm``), as the layout gives it now."""
+    if not zoo or quantity not in _GROUP_QUANTITIES:
+        return ""
+    return "embedding" if site.endswith(".embed") else "final_norm" if site.endswith(".final_norm") else ""
 
 
 def _legacy_role(site: str, stack: str, layer: int | None, zoo: bool) -> str:

@@ -76,7 +76,17 @@ class _Block(torch.nn.Module):
         return x + self.fc(self.norm(x))
 
 
-def test_recorder_made_after_the_compiled_model_ran_raises_instead_of_an_empty_table():
+def test_recorder_made_after_the_compiled_model_ran_raises_instead_of_an_empty_table(monkeypatch):
+    from gradscope.recorder.wrappers import HookGuards
+
+    # Dynamo's default and no Recorder open (one left alive by an earlier test would turn hook guards on)
+    monkeypatch.setattr(HookGuards, "_open", 0)
+    monkeypatch.setattr(HookGuards, "_saved", None)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
+        _made_after_the_compiled_model_ran()
+
+
+def _made_after_the_compiled_model_ran():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Block(8), _Block(8))
     compiled = torch.compile(model)

@@ -364,13 +364,14 @@ def reference(model, run, targets: dict[str, nn.Module], norms: set[str]):
 
 
 def param_grad_reference(model, run, groups: list[str]) -> dict[str, float]:
-    """group (a module name, "" = whole model) -> sqrt(Σ ‖∂loss/∂p‖²) over that module's unique parameters."""
+    """group (a module or parameter name, "" = whole model) -> sqrt(Σ ‖∂loss/∂p‖²) over that module's unique parameters."""
     params = [q for q in model.parameters() if q.requires_grad]  # unique parameters (tied ones once)
     grads = dict(zip(map(id, params), torch.autograd.grad(run(), params, allow_unused=True)))
     out = {}
-    for g in groups:
-        sub = model if g == "" else model.get_submodule(g)
-        out[g] = math.sqrt(sum(grads[id(q)].double().norm().item() ** 2 for q in sub.parameters() if grads.get(id(q)) is not None))
+    named = dict(model.named_parameters())
+    for g in groups:  # a group names a module, or one parameter (a module's own, beside its children's groups)
+        sub = [named[g]] if g in named else (model if g == "" else model.get_submodule(g)).parameters()
+        out[g] = math.sqrt(sum(grads[id(q)].double().norm().item() ** 2 for q in sub if grads.get(id(q)) is not None))
     return out
 
 
@@ -481,9 +482,9 @@ def test_param_grad_norm_total_and_per_block(name):
         required += [b] + [f"{b}.{c}" for c, sub in block.named_children() if _holds_params(sub)]
     missing = [g for g in required if g not in got]
     assert not missing, f"param_grad_norm groups missing: {missing}; reported {sorted(got)[:10]}"
-    modules = dict(model.named_modules())
-    unknown = [g for g in got if g not in modules]
-    assert not unknown, f"groups that name no module: {unknown}"
+    modules, params = dict(model.named_modules()), dict(model.named_parameters())
+    unknown = [g for g in got if g not in modules and g not in params]  # a module's own parameters beside its
+    assert not unknown, f"groups that name no module or parameter: {unknown}"  # children's groups: one group each
     ref = param_grad_reference(model, run, list(got))
     for group, value in got.items():
         assert_rel(value, ref[group], what=f"param_grad_norm {group!r}")

@@ -42,8 +42,19 @@ def _reference(model: Twin, x: torch.Tensor) -> dict[str, float]:
             "act_norm blocks.1.out": h1.detach().norm().item()}
 
 
+@pytest.fixture
+def no_recorder_open(monkeypatch):
+    """Dynamo's default (no hook guards) and no Recorder open, whatever earlier tests left alive."""
+    from gradscope.recorder.wrappers import HookGuards
+
+    monkeypatch.setattr(HookGuards, "_open", 0)
+    monkeypatch.setattr(HookGuards, "_saved", None)
+    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):  # restored afterwards
+        yield
+
+
 @pytest.mark.parametrize("order", ["recorded_first", "recorder_then_plain", "plain_first"])
-def test_a_plain_twin_never_writes_into_the_recorded_table(order):
+def test_a_plain_twin_never_writes_into_the_recorded_table(order, no_recorder_open):
     torch._dynamo.reset()
     torch.manual_seed(0)
     a, b, x = Twin(), Twin(), torch.randn(2, 3, 8)
@@ -83,3 +94,16 @@ def test_a_plain_twin_never_writes_into_the_recorded_table(order):
     finally:
         rec.close()
     assert torch._dynamo.config.skip_nnmodule_hook_guards  # restored by close()
+
+
+def test_hook_guards_are_on_while_a_recorder_is_open(no_recorder_open):
+    import gc
+
+    recs = [gradscope.Recorder(Twin()) for _ in range(2)]
+    assert not torch._dynamo.config.skip_nnmodule_hook_guards
+    recs[0].close()
+    recs[0].close()  # twice: released once
+    assert not torch._dynamo.config.skip_nnmodule_hook_guards  # the second is still open
+    del recs[1]  # dropped without close(): released when collected
+    gc.collect()
+    assert torch._dynamo.config.skip_nnmodule_hook_guards

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import os
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -149,7 +150,8 @@ class Recorder:
         self._lr_from_optimizer = optimizer is not None
         if optimizer is not None:
             self.attach_optimizer(optimizer)
-        HookGuards.acquire()  # compiled: an instance with our hooks never runs another's graph (released by close)
+        HookGuards.acquire()  # compiled: an instance with our hooks never runs another's graph
+        self._release_guards = weakref.finalize(self, HookGuards.release)  # by close(), or when collected
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Measures ``update_ratio`` around ``optimizer.step()`` (hooks removed by ``close``).
@@ -374,8 +376,7 @@ class Recorder:
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer) and flushes and closes the sinks;
         the recorded table stays readable."""
-        if not self._closed:
-            HookGuards.release()
+        self._release_guards()  # once, whatever calls it first
         self._capture.remove()
         for h in self._opt_handles:
             h.remove()
