@@ -50,6 +50,7 @@ from gradscope.recorder.taps import (
 )
 
 _ALIAS = torch.ops.aten.alias.default  # a new autograd node that hands the gradient on unchanged
+LOW_PRECISION = 1e6  # misfit mark of a fitted norm called on bf16/fp16 tensors (finish.py leaves its rows out)
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm
 
 
@@ -344,8 +345,9 @@ class Capture:
             wsig = self.want_wsig and not recompute
             fit = fit_norm(module, x, y) if kind == "fit" and (grad or wsig) else None  # one fit serves both
             slot = self.n_taps + j * self.K + c
-            if fit is not None and not recompute:
-                self._put(slot, 2, fit.misfit)
+            if fit is not None and not recompute:  # a fit read from bf16/fp16 tensors is not exact: flagged, no rows
+                exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
+                self._put(slot, 2, fit.misfit if exact else fit.misfit.new_full((), LOW_PRECISION))
             if wsig:
                 value = w_over_sigma(module, x, y, fit)
                 if value is not None:

@@ -9,7 +9,7 @@ import warnings
 
 import numpy as np
 
-from gradscope.recorder.capture import FWD
+from gradscope.recorder.capture import FWD, LOW_PRECISION
 from gradscope.recorder.quantities import REGISTRY, StepData
 from gradscope.recorder.wrappers import grad_versions
 
@@ -71,6 +71,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
         device = {name: rows for name, rows in device.items() if not (name in REGISTRY and REGISTRY[name].needs_backward)}
     base, index = len(points) * K, {p.name: i for i, p in enumerate(points)}
     unfit = {n.name for j, n in enumerate(layout.norms) if (misfit[base + j * K: base + (j + 1) * K] > MISFIT).any()}
+    low = {n.name for j, n in enumerate(layout.norms) if (misfit[base + j * K: base + (j + 1) * K] >= LOW_PRECISION).any()}
     for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows
         if n.name in unfit and n.site_in in index:
             i = index[n.site_in]
@@ -78,7 +79,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
             order[:, i * K:(i + 1) * K] = -np.abs(order[:, i * K:(i + 1) * K])
     if scale is not None:
         grad_sq = grad_sq / (scale * scale)
-    data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit, no_backward)
+    data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit, no_backward, low)
     rows: list = []
     for name, quantity in REGISTRY.items():
         if name in wants and not quantity.logged:
@@ -138,7 +139,13 @@ def check_calls(rec, step: int, data: StepData, calls: list[int]) -> bool:
         warnings.warn("gradscope: no cosine rows: the model has no layer stack (an nn.ModuleList of two or more "
                       "blocks of one class; x-transformers alternates attention and feed-forward blocks), "
                       "or sites= left out its outputs", stacklevel=4)
-    unfit = sorted(data.unfit - rec._warned)
+    low = sorted(data.low_precision - rec._warned)
+    if low:
+        rec._warned.update(low)
+        warnings.warn(f"gradscope: {low[:4]} ran on bf16/fp16 tensors; the gradient through a norm that is not "
+                      "nn.LayerNorm/nn.RMSNorm is then computed from a fit that is not exact (measured up to 3e-4 off "
+                      "under bf16 autocast), so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows", stacklevel=4)
+    unfit = sorted(data.unfit - data.low_precision - rec._warned)
     if unfit:
         rec._warned.update(unfit)
         warnings.warn(f"gradscope: {unfit[:4]} do not map their normalised input to their output with one gain per "

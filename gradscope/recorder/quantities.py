@@ -53,6 +53,7 @@ class StepData:
     blocks: dict[str, np.ndarray] = field(default_factory=dict)  # raw arrays from the device
     unfit: set[str] = field(default_factory=set)  # norms whose output is not g·x̂ + b (adaptive norms)
     no_backward: bool = False  # forward tapped gradients but no backward ran inside the step: no gradient rows
+    low_precision: set[str] = field(default_factory=set)  # fitted norms called on bf16/fp16 tensors (also in unfit)
 
     @property
     def micro_steps(self) -> int:
