@@ -52,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
         opt.zero_grad(set_to_none=True)
         if step % args.report_every == 0:
             gc.collect()
-            rows = len(rec._store)
+            rows = rec.rows_in_memory
             samples.append((step, rss_mb(), rows))
             print(f"| {step} | {samples[-1][1]:.1f} | {rows} |", flush=True)
     rec.close()

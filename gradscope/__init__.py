@@ -3,19 +3,24 @@
 Public names:
     ModelConfig, build_model, VARIANTS, INITS, admin_init, presets — the model zoo.
     site_names — the sites the recorder probes in a model (zoo or any nn.Module).
-    Recorder, record, snapshot — the recorder; load, save_frame — parquet I/O.
-    COLUMNS — the tidy table's columns (SPEC §3).
+    Recorder, record, snapshot — the recorder; RecorderOptions — its less common settings.
+    Quantity, StepContext — write a quantity of your own; QUANTITIES — the built-in ones.
+    load, save_frame — parquet I/O. COLUMNS — the tidy table's columns (SPEC §3).
 """
 
 from gradscope import presets
 from gradscope.config import ModelConfig
 from gradscope.models import INITS, VARIANTS, Site, SiteNorm, admin_init, build_model
 from gradscope.io import load, save_frame
-from gradscope.recorder import Recorder, record, snapshot
+from gradscope.recorder import Recorder, RecorderOptions, record, snapshot
+from gradscope.recorder.context import StepContext
+from gradscope.recorder.quantities import QUANTITY_NAMES as QUANTITIES
+from gradscope.recorder.quantity import Quantity
 from gradscope.recorder.layout import site_names
 from gradscope.table import COLUMNS
 
 __all__ = [
-    "COLUMNS", "INITS", "VARIANTS", "ModelConfig", "Recorder", "Site", "SiteNorm", "admin_init", "build_model", "load",
-    "presets", "record", "save_frame", "site_names", "snapshot",
+    "COLUMNS", "INITS", "QUANTITIES", "VARIANTS", "ModelConfig", "Quantity", "Recorder", "RecorderOptions", "Site",
+    "SiteNorm", "StepContext", "admin_init", "build_model", "load", "presets", "record", "save_frame", "site_names",
+    "snapshot",
 ]

@@ -42,102 +42,32 @@ Runnable example (CPU, gloo), in :mod:`gradscope.distributed_demo`::
 
 from __future__ import annotations
 
-import math
-from typing import Any
-
 import numpy as np
 import pandas as pd
-import torch
-import torch.distributed as dist
 
+from gradscope.recorder.collectives import gather_frame, reduce_squared_norms  # noqa: F401  (public here)
+from gradscope.recorder.quantities import REGISTRY
+from gradscope.recorder.quantity import COMBINE, Quantity, combine
 from gradscope.table import concat, empty_frame
 
-PER_RANK_QUANTITIES: tuple[str, ...] = ("act_grad_norm", "act_norm", "loss")
+__all__ = ["gather_frame", "global_act_grad_norms", "global_rows", "reduce_squared_norms"]
+
+RANK_RULES: dict[str, str] = {n: q.across_ranks for q in REGISTRY.values() for n in q.names}
+"""Built-in quantity -> how ranks combine it (each quantity's ``across_ranks``)."""
+
+PER_RANK_QUANTITIES: tuple[str, ...] = tuple(n for n, r in RANK_RULES.items() if r not in ("shared", "local"))
 """Quantities each rank measures on its own part of the batch; combined by :func:`global_rows`."""
 
-SHARED_QUANTITIES: tuple[str, ...] = ("param_grad_norm", "update_ratio", "lr", "dlcl_weight", "scalenorm_g")
+SHARED_QUANTITIES: tuple[str, ...] = tuple(n for n, r in RANK_RULES.items() if r == "shared")
 """Quantities every rank holds with the same global value; :func:`global_rows` copies the lowest rank's."""
 
 _POINT = ["run", "variant", "step", "micro_step", "stack", "layer", "site", "role", "quantity", "layer_j", "reduction"]
 
 
-# -- parameter gradients: squared shard norms summed over the mesh ---------------------------
-def reduce_squared_norms(tensors: list[torch.Tensor | None], sq: torch.Tensor) -> torch.Tensor:
-    """Turns per-tensor squared local norms into squared global norms.
-
-    ``sq[i]`` is ‖to_local(tensors[i])‖² on this rank. For a DTensor the global ‖t‖² is
-    the sum of its local squared norms over every rank of its device mesh, counting each
-    distinct element once: along a ``Shard`` mesh dimension the ranks hold disjoint pieces
-    (sum them), along a ``Replicate`` dimension they hold copies (so each rank's term is
-    divided by the number of copies before summing). ``Partial`` placements must have been
-    redistributed to ``Replicate`` beforehand (``gradscope.recorder.params.local`` does).
-    Entries of plain tensors are returned unchanged. One ``all_reduce`` (SUM) per mesh
-    dimension per distinct mesh — one in all for FSDP2 on a 1-D mesh.
-
-    Every rank of the mesh must call this with the same parameter list (it is collective).
-
-    Args:
-        tensors: the tensors (gradients, parameters, updates) in membership order.
-        sq: (len(tensors),) squared local norms, 0 where the tensor is None.
-
-    Returns:
-        (len(tensors),) squared global norms on ``sq``'s device.
-    """
-    from torch.distributed.tensor import DTensor
-
-    weight = [0.0] * len(tensors)
-    meshes: dict[Any, list[int]] = {}
-    for i, t in enumerate(tensors):
-        if isinstance(t, DTensor):
-            mesh = t.device_mesh
-            copies = math.prod(mesh.size(d) for d, p in enumerate(t.placements) if not p.is_shard())
-            weight[i] = 1.0 / copies
-            meshes.setdefault(mesh, []).append(i)
-    if not meshes:
-        return sq
-    w = torch.tensor(weight, device=sq.device, dtype=sq.dtype)
-    out = torch.where(w == 0, sq, torch.zeros_like(sq))  # plain tensors: already global
-    for mesh, idx in meshes.items():
-        part = torch.zeros_like(sq)
-        index = torch.tensor(idx, device=sq.device)
-        part[index] = sq[index] * w[index]
-        for d in range(mesh.ndim):
-            dist.all_reduce(part, op=dist.ReduceOp.SUM, group=mesh.get_group(d))
-        out = out + part
-    return out
-
-
-# -- one table on one rank -------------------------------------------------------------------
-def gather_frame(source: Any, *, dst: int = 0, group: Any = None) -> pd.DataFrame | None:
-    """Gathers every rank's rows into one table on rank ``dst``.
-
-    Collective: every rank of ``group`` must call it (a call on rank 0 alone hangs). Uses
-    ``torch.distributed.gather_object`` once. With NCCL, call
-    ``torch.cuda.set_device(local_rank)`` first (a ``gather_object`` requirement).
-
-    Args:
-        source: a ``Recorder`` (its ``frame()`` is taken) or a table.
-        dst: global rank that receives the table.
-        group: process group (default: the world).
-
-    Returns:
-        On ``dst``: all ranks' rows, in rank order, with the canonical dtypes. On other
-        ranks: None. Without an initialised process group: ``source``'s own table.
-    """
-    df = source if isinstance(source, pd.DataFrame) else source.frame()
-    if not (dist.is_available() and dist.is_initialized()):
-        return df
-    is_dst = dist.get_rank() == dst
-    frames = [None] * dist.get_world_size(group) if is_dst else None
-    dist.gather_object(df, frames, dst=dst, group=group)
-    if not is_dst:
-        return None
-    return concat(f for f in frames if f is not None)
-
-
 # -- rank -1: all ranks together -------------------------------------------------------------
 def global_rows(df: pd.DataFrame, world_size: int | None = None, reduction: str | None = None,
-                quantities: tuple[str, ...] = PER_RANK_QUANTITIES + SHARED_QUANTITIES) -> pd.DataFrame:
+                quantities: tuple[str, ...] = PER_RANK_QUANTITIES + SHARED_QUANTITIES,
+                extra: tuple[Quantity, ...] = ()) -> pd.DataFrame:
     """Rows with ``rank = -1``: the values of a single-process run on the whole batch.
 
     ``rank = -1`` means "all ranks together"; rows with ``rank >= 0`` are what one rank
@@ -152,13 +82,16 @@ def global_rows(df: pd.DataFrame, world_size: int | None = None, reduction: str 
       already global on every rank; the lowest rank's value is copied.
 
     ``ln_gain``, ``ln_w_over_sigma``, ``cosine`` and ``nonfinite`` stay per rank (a ratio
-    of norms or a sampled statistic does not combine from per-rank values).
+    of norms or a sampled statistic does not combine from per-rank values). Each rule is the
+    quantity's ``across_ranks``; a user's own quantities, passed in ``extra``, are combined
+    by theirs (``max``, ``mean``, ``rss``...).
 
     Args:
         df: a gathered table (:func:`gather_frame`) holding every rank's rows.
         world_size: number of ranks W (default: the number of distinct ranks in ``df``).
         reduction: ``"mean"`` or ``"sum"``; default: each row's ``reduction`` column.
-        quantities: which quantities to combine or copy.
+        quantities: which built-in quantities to combine or copy.
+        extra: user quantities (:class:`gradscope.Quantity` instances) to combine too.
 
     Returns:
         A canonical table of the rank -1 rows (empty if ``df`` has none to combine).
@@ -169,7 +102,9 @@ def global_rows(df: pd.DataFrame, world_size: int | None = None, reduction: str 
     """
     if reduction not in (None, "mean", "sum"):
         raise ValueError(f"reduction: must be 'mean', 'sum' or None, got {reduction!r}")
-    rows = df[(df["rank"] >= 0) & df["quantity"].isin(quantities)]
+    rules = {n: RANK_RULES[n] for n in quantities if n in RANK_RULES}
+    rules.update({q.name: q.across_ranks for q in extra})
+    rows = df[(df["rank"] >= 0) & df["quantity"].isin([n for n, r in rules.items() if r != "local"])]
     ranks = sorted(int(r) for r in rows["rank"].unique())
     W = world_size if world_size is not None else len(ranks)
     if rows.empty:
@@ -178,8 +113,8 @@ def global_rows(df: pd.DataFrame, world_size: int | None = None, reduction: str 
         raise ValueError(f"rows from ranks {ranks}, but world_size={W}: gather every rank's rows first (gather_frame)")
     if reduction is not None:
         rows = rows.assign(reduction=reduction)
-    shared = rows[rows["quantity"].isin(SHARED_QUANTITIES) & (rows["rank"] == ranks[0])]
-    per_rank = rows[rows["quantity"].isin(PER_RANK_QUANTITIES)]
+    shared = rows[rows["quantity"].map(rules).eq("shared") & (rows["rank"] == ranks[0])]
+    per_rank = rows[~rows["quantity"].map(rules).eq("shared")]
     parts = [shared.assign(rank=-1)]
     if not per_rank.empty:
         v = per_rank["value"].to_numpy(np.float64)
@@ -192,11 +127,23 @@ def global_rows(df: pd.DataFrame, world_size: int | None = None, reduction: str 
                              f"{first['n']} rank rows, expected {W}")
         mean = (stats["reduction"] == "mean").to_numpy()
         norm = np.sqrt(stats["sq"].to_numpy(np.float64))
-        value = np.where(stats["quantity"] == "act_grad_norm", np.where(mean, norm / W, norm), norm)
-        value = np.where(stats["quantity"] == "loss", np.where(mean, stats["total"] / W, stats["total"]), value)
+        rule = stats["quantity"].map(rules).to_numpy()
+        value = np.where(rule == "gradient_norm", np.where(mean, norm / W, norm), norm)
+        value = np.where(rule == "loss", np.where(mean, stats["total"] / W, stats["total"]), value)
+        for how in set(rule) & (set(COMBINE) - {"rss"}):  # a user quantity's rule
+            at = rule == how
+            value[at] = _combine_ranks(per_rank, stats[at], how)
         value = np.where(stats["nan"], np.nan, value)  # pandas sums skip NaN: a NaN on any rank stays NaN
         parts.append(stats[_POINT].assign(value=value, rank=-1))
     return concat(parts)
+
+
+def _combine_ranks(per_rank: pd.DataFrame, points: pd.DataFrame, how: str) -> np.ndarray:
+    """The ranks' values of each of ``points`` combined by ``how`` (:data:`COMBINE`)."""
+    keyed = per_rank.merge(points[_POINT], on=_POINT, how="inner")
+    values = keyed.groupby(_POINT, dropna=False, sort=False)["value"].apply(
+        lambda v: float(combine(v.to_numpy(np.float64), how)))
+    return points[_POINT].merge(values.reset_index(), on=_POINT, how="left")["value"].to_numpy(np.float64)
 
 
 def global_act_grad_norms(df: pd.DataFrame, world_size: int | None = None, reduction: str | None = None) -> pd.DataFrame:

@@ -117,7 +117,7 @@ def report_run(rows: pd.DataFrame, out: Path, name: str, max_bins: int = 500) ->
     """Figures and summary lines of one run (one rank). Returns the markdown section."""
     import matplotlib.pyplot as plt
 
-    from gradscope.io import atomic_write
+    from gradscope.table.parquet import atomic_write
     from gradscope.plots.over_time import layer_heatmap, layer_series
 
     recorded = rows[rows.quantity == "spike"]
@@ -165,7 +165,7 @@ def report(path: str | Path, out: str | Path, *, progress: bool = True, max_bins
     import matplotlib
 
     matplotlib.use("Agg")
-    from gradscope.io import atomic_write
+    from gradscope.table.parquet import atomic_write
 
     t0 = time.perf_counter()
     rows = read_run(path, progress=progress)

@@ -763,7 +763,7 @@ def test_t5_encoder_padding_mask_does_not_weight_decoder_cosine():
     mask[1, :1] = 1
     run = lambda: model(input_ids=ids, attention_mask=mask, labels=labels).loss  # noqa: E731
     # cosine_tokens far above the 16 decoder tokens: every decoder token is in the sample
-    with gradscope.record(model, quantities="all", cosine_tokens=4096) as rec:
+    with gradscope.record(model, quantities="all", options=gradscope.RecorderOptions(cosine_tokens=4096)) as rec:
         run().backward()
     df = rec.frame()
     blocks = model.decoder.block

@@ -150,7 +150,7 @@ def test_qwen3_per_head_norms_do_not_hide_the_cosine_stack():
              for layer in model.model.layers]
     hooks.append(model.model.layers[0].register_forward_pre_hook(
         lambda m, a, kw: outs.insert(0, kw.get("hidden_states", a[0] if a else None)), with_kwargs=True))
-    with gradscope.record(model, quantities=["cosine"], slow_every=1, cosine_tokens=10_000) as rec:
+    with gradscope.record(model, quantities=["cosine"], slow_every=1, options=gradscope.RecorderOptions(cosine_tokens=10_000)) as rec:
         model(input_ids=ids, labels=ids).loss.backward()
     for h in hooks:
         h.remove()

@@ -88,7 +88,7 @@ def test_param_grad_norm_equals_p_grad(variant, arch):
 def test_cosine_equals_explicit_loop():
     model = make("pre_ln", "encoder_decoder")
     inputs = batch(model.config)
-    with gradscope.record(model, quantities=["cosine"], cosine_tokens=10_000, slow_every=1) as rec:
+    with gradscope.record(model, quantities=["cosine"], options=gradscope.RecorderOptions(cosine_tokens=10_000), slow_every=1) as rec:
         loss_fn(model, inputs).backward()
     df = rec.frame()
     sites = {f"decoder.layers.{i}.out": (model.decoder.layers[i].out, "output") for i in range(3)}

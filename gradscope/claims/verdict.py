@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from gradscope.io import atomic_write
+from gradscope.table.parquet import atomic_write
 
 HOLDS, FAILS, NOT_MEASURED = "holds", "does not hold", "not measured"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from gradscope.config import ModelConfig
+from gradscope.models.config import ModelConfig
 from gradscope.models.sublayers import CrossAttention, FeedForward, SelfAttention
 from gradscope.models.inits import INITS
 from gradscope.models.rescale import b2t_rescale

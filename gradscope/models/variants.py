@@ -19,7 +19,7 @@ from gradscope.models.embedding import Embedding, FixNormEmbedding
 from gradscope.models.rescale import deepnorm_rescale, tfixup_rescale
 
 if TYPE_CHECKING:  # the config validates against this registry, so only type hints point back at it
-    from gradscope.config import ModelConfig
+    from gradscope.models.config import ModelConfig
 
 ARCHS: tuple[str, ...] = ("encoder_decoder", "decoder", "encoder")
 """The model shapes the zoo builds: ``model(src, tgt_in)``, a causal LM and a masked LM."""

@@ -2,7 +2,10 @@
 
 from gradscope.recorder.layout import Layout, find_layout
 from gradscope.recorder.oneshot import record, snapshot
-from gradscope.recorder.quantities import ALL_QUANTITIES, DEFAULT_QUANTITIES
+from gradscope.recorder.options import RecorderOptions
+from gradscope.recorder.quantities import ALL_QUANTITIES, DEFAULT_QUANTITIES, REGISTRY
+from gradscope.recorder.quantity import Quantity
 from gradscope.recorder.recorder import Recorder
 
-__all__ = ["ALL_QUANTITIES", "DEFAULT_QUANTITIES", "Layout", "Recorder", "find_layout", "record", "snapshot"]
+__all__ = ["ALL_QUANTITIES", "DEFAULT_QUANTITIES", "REGISTRY", "Layout", "Quantity", "Recorder", "RecorderOptions",
+           "find_layout", "record", "snapshot"]

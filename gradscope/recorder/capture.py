@@ -36,22 +36,16 @@ from torch import nn
 
 from gradscope.models.sites import Site
 from gradscope.recorder.cosine_rows import CosineRows
-from gradscope.recorder.eager import EagerGrads, hookable
+from gradscope.recorder.eager import EagerGrads
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
-from gradscope.recorder.sqnorm import Reused, squared_norm
-from gradscope.recorder.taps import (
-    NormTap,
-    Tap,
-    first_tensor,
-    main_input,
-    replace_first,
-)
+from gradscope.recorder.sqnorm import Reused
+from gradscope.recorder.taps import first_tensor, main_input, replace_first
+from gradscope.recorder.writers import EagerWriter, TracedWriter
 
-_ALIAS = torch.ops.aten.alias.default  # a new autograd node that hands the gradient on unchanged
 LOW_PRECISION = 1e6  # misfit mark of a fitted norm called on bf16/fp16 tensors (finish.py leaves its rows out)
-FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm
+FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm; then user statistics
 
 
 class Capture:
@@ -62,12 +56,22 @@ class Capture:
         layout: sites, norms and stacks.
         max_calls: slots per site for a module called several times per forward.
         token_masks: callable (args, kwargs) -> {stack: (B, T) bool} for ``cosine`` weights.
+        value_stats: user statistics of a site's forward value (quantities' ``site_value``):
+            forward-buffer channel ``FWD + k``.
+        grad_stats: user statistics of a site's gradient (``site_grad``): probe slots
+            ``slot + (k + 1)·n_taps``.
     """
 
-    def __init__(self, model: nn.Module, layout: Layout, max_calls: int, token_masks) -> None:
+    def __init__(self, model: nn.Module, layout: Layout, max_calls: int, token_masks, value_stats: tuple = (),
+                 grad_stats: tuple = ()) -> None:
         self.model, self.layout, self.K, self.token_masks = model, layout, max_calls, token_masks
         self.points = list(layout.probes)
         self.n_taps = len(self.points) * max_calls
+        self.value_stats, self.grad_stats = tuple(value_stats), tuple(grad_stats)
+        self.width = FWD + len(self.value_stats)  # forward-buffer channels
+        self.n_probe = self.n_taps * (1 + len(self.grad_stats))
+        self.stats_now = False  # user statistics are taken in the open step
+        self.grad_stats_now: tuple = ()
         self.n_slots = self.n_taps + len(layout.norms) * max_calls  # taps, then norms (w/σ)
         self.on = False
         self.want_value = self.want_grad = self.want_wsig = self.want_cosine = False
@@ -77,15 +81,16 @@ class Capture:
         self.backwards = 0  # backwards seen in the open recorded step
         self.device: torch.device | None = None
         self.probe: torch.Tensor | None = None
-        self.fwd: torch.Tensor | None = None  # (n_slots, FWD): [±order (negative: not tapped), value, misfit]
+        self.fwd: torch.Tensor | None = None  # (n_slots, width): [±order (negative: not tapped), value, misfit, user...]
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor, np.ndarray]] = []
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step
         self.marks = np.zeros(self.n_slots)
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
         self.pending_sq: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖h‖²): site values, eagerly
-        self._value_sq = Reused()  # eagerly, ‖h‖² once for a value two sites receive in a row
-        self.eager = EagerGrads(self.snapshot, lambda: self.on)  # eager gradient norms (node hooks, Taps' norms)
+        self.value_sq = Reused()  # eagerly, ‖h‖² once for a value two sites receive in a row
+        self.eager = EagerGrads(self.snapshot, lambda: self.on, self.n_taps)  # eager gradient norms (node hooks, Taps' norms)
+        self._traced, self._eager_writer = TracedWriter(self), EagerWriter(self)
         index = {p.name: i for i, p in enumerate(self.points)}
         self._norm_kind = [norm_kind(n.module) for n in layout.norms]
         self._norm_in = [index.get(n.site_in) for n in layout.norms]  # point whose gradient the norm gives
@@ -102,7 +107,7 @@ class Capture:
         # Not a norm's input, which wants the gradient through the norm alone, and not a
         # module's input, which wants the gradient through that module alone.
         outputs = [p.where == "output" and p.name not in norm_inputs for p in self.points]
-        self._hooked = [o and not isinstance(p.module, Site) for o, p in zip(outputs, self.points)]  # a Site returns its input
+        self.hooked = [o and not isinstance(p.module, Site) for o, p in zip(outputs, self.points)]  # a Site returns its input
         self._alias_ok = bool(getattr(model, "site_outputs_never_modified_in_place", False))
         # Where no in-place op can follow, an alias (a C++ node of its own) stands in for the Tap:
         # the outputs of a promising model's Sites, and the input of a fused norm that only the
@@ -110,7 +115,7 @@ class Capture:
         # (its forward modifies nothing in place). The alias's node then sees exactly the
         # gradient the Tap would, through that norm alone.
         plain_ln = {n.site_in for n in layout.norms if type(n.module).forward is nn.LayerNorm.forward}
-        self._alias = [(o and self._alias_ok) or (p.name in fused and (self._alias_ok if p.where == "output" else p.name in plain_ln))
+        self.alias = [(o and self._alias_ok) or (p.name in fused and (self._alias_ok if p.where == "output" else p.name in plain_ln))
                        for o, p in zip(outputs, self.points)]
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self._grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
@@ -151,19 +156,22 @@ class Capture:
     # -- per recorded step ----------------------------------------------------------------
     def begin(self, device: torch.device, *, value: bool, grad: bool, wsig: bool, cosine: bool,
               cosine_tokens: int, generator: torch.Generator, attention: bool = False, rms: bool = False,
-              logits: bool = False) -> None:
-        """Arms the hooks for one recorded step."""
+              logits: bool = False, stats: bool = False) -> None:
+        """Arms the hooks for one recorded step (``stats``: take the user statistics)."""
         if self.device != device or self.probe is None:
             self.device = device
-            self.probe = torch.zeros(self.n_taps, device=device, requires_grad=True)
+            self.probe = torch.zeros(self.n_probe, device=device, requires_grad=True)
             self.probe.register_post_accumulate_grad_hook(lambda probe: self.snapshot())
-            self.fwd = torch.zeros(self.n_slots, FWD, device=device)
+            self.fwd = torch.zeros(self.n_slots, self.width, device=device)
             self.cosine.forget()
         self.probe.grad = None
         self.fwd.zero_()
         self.marks[:] = 0
         self.discard()
-        self.want_value, self.want_grad, self.want_wsig, self.want_cosine = value, grad, wsig, cosine
+        self.want_value, self.want_wsig, self.want_cosine = value, wsig, cosine
+        self.stats_now = stats and bool(self.value_stats or self.grad_stats)
+        self.grad_stats_now = self.eager.stats = self.grad_stats if self.stats_now else ()
+        self.want_grad = grad or bool(self.grad_stats_now)
         if cosine:
             self.cosine.begin(device, cosine_tokens, generator)
         self.calls = [0] * len(self.calls)
@@ -193,7 +201,7 @@ class Capture:
             return
         if backward and self.on:
             self.backwards += 1
-        grads = self.probe.grad if self.probe.grad is not None else torch.zeros(self.n_taps, device=self.device)
+        grads = self.probe.grad if self.probe.grad is not None else torch.zeros(self.n_probe, device=self.device)
         self.probe.grad = None
         pending = self.eager.pending
         if pending:
@@ -213,24 +221,12 @@ class Capture:
         self.pending_fwd.clear()
         self.pending_sq.clear()
         self.eager.reset_backward()
-        self._value_sq.clear()
+        self.value_sq.clear()
         self.recalls = [0] * len(self.recalls)
 
-    def _mark(self, slot: int, value: float) -> None:
-        if torch.compiler.is_compiling():
-            self.fwd[slot, 0] = value
-        else:
-            self.marks[slot] = value
-
-    def _put(self, slot: int, channel: int, value: torch.Tensor) -> None:
-        if torch.compiler.is_compiling():
-            self.fwd[slot, channel] = value
-        else:
-            self.pending_fwd.append((slot, channel, value))
-
-    def _eager(self) -> EagerGrads | None:
-        """Where a Tap hands its ‖grad‖ when running eagerly; None when traced."""
-        return None if torch.compiler.is_compiling() else self.eager
+    def writer(self) -> EagerWriter | TracedWriter:
+        """How the calling hook writes: traced by Dynamo, or eagerly (asked once per hook call)."""
+        return self._traced if torch.compiler.is_compiling() else self._eager_writer
 
     # -- hooks ----------------------------------------------------------------------------
     def _root_pre(self, module, args, kwargs):
@@ -243,61 +239,44 @@ class Capture:
             self.cosine.masks = self.token_masks(args, kwargs)
         return None
 
-    def _call(self, i: int, compiling: bool) -> tuple[int, bool]:
-        """(call index clipped to max_calls, inside a recompute) for the next call of counter ``i``."""
-        if not compiling and torch._C._current_autograd_node() is not None:  # activation checkpointing recomputes
-            calls = max(self.calls[i], 1)
-            c = calls - 1 - self.recalls[i] % calls  # recomputes run in reverse order of the forward
-            self.recalls[i] += 1
-            return min(c, self.K - 1), True
+    def next_call(self, i: int) -> int:
+        """The slot (call index clipped to max_calls) of counter ``i``'s next forward call."""
         c = self.calls[i]
         self.calls[i] = c + 1
-        return min(c, self.K - 1), False
+        return min(c, self.K - 1)
+
+    def next_recall(self, i: int) -> int:
+        """The slot of a call that activation checkpointing recomputes (in reverse order of the forward)."""
+        calls = max(self.calls[i], 1)
+        c = calls - 1 - self.recalls[i] % calls
+        self.recalls[i] += 1
+        return min(c, self.K - 1)
 
     def _observe(self, i: int, t: torch.Tensor, module_args: tuple = ((), {})) -> torch.Tensor | None:
         """Statistics of one site value; returns the tapped value (or None to keep it).
         ``module_args``: (args, kwargs) of the module whose output ``t`` is."""
-        compiling = torch.compiler.is_compiling()
-        c, recompute = self._call(i, compiling)
+        w = self.writer()
+        c, recompute = w.call(i)
         slot = i * self.K + c
         grad = self.want_grad and t.requires_grad and torch.is_grad_enabled()
         if not recompute:
             self.seq += 1
-            order = self.seq if grad and self._grad_expected[i] else -self.seq
-            if compiling:
-                self.fwd[slot, 0] = order
-            else:
-                self.marks[slot] = order
+            w.mark(slot, self.seq if grad and self._grad_expected[i] else -self.seq)
             if self.want_value:
-                self._put_value(slot, t, compiling)
+                w.value(slot, t)
+            if self.stats_now:
+                for k, f in enumerate(self.value_stats):
+                    w.put(slot, FWD + k, f(t.detach()).float().reshape(()))
             if self.want_cosine and c == 0:
                 self.cosine.sample(self.points[i].name, t)
         if not (grad and self._taps[i]):
             return None
-        if compiling:
-            return self._passed_on(t, Tap.apply(t, self.probe, slot, None))
-        if self._hooked[i] and hookable(t, *module_args):
-            self.eager.hook(t, slot, recompute)
-            return None
-        if self._alias[i]:
-            out = _ALIAS(t)
-            self.eager.hook(out, slot, recompute)
-            return self._passed_on(t, out)
-        return self._passed_on(t, Tap.apply(t, self.probe, slot, self.eager))
+        return w.tap(i, t, slot, recompute, module_args)
 
-    def _passed_on(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        self._value_sq.passed_on(t, out)  # the next site often receives this very tensor
+    def passed_on(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``out`` (the tapped ``t``), noted: the next site often receives this very tensor."""
+        self.value_sq.passed_on(t, out)
         return out
-
-    def _put_value(self, slot: int, t: torch.Tensor, compiling: bool) -> None:
-        """‖t‖ into the value channel. Traced, straight into the forward buffer; eagerly ‖t‖²
-        waits for the snapshot (one square root for all), and a site that receives the very
-        tensor (same version) the last site passed on reuses it (a layer's ``out`` is the
-        next layer's ``in``)."""
-        if compiling:
-            self.fwd[slot, 1] = squared_norm(t).sqrt()
-            return
-        self.pending_sq.append((slot, self._value_sq(t)))
 
     def _output_hook(self, i: int):
         def hook(module, args, kwargs, output):
@@ -338,8 +317,8 @@ class Capture:
             found, y = main_input(args, kwargs), first_tensor(output)
             if found is None or y is None or found[1].shape != y.shape:
                 return None
-            x = found[1]
-            c, recompute = self._call(counter, torch.compiler.is_compiling())
+            x, w = found[1], self.writer()
+            c, recompute = w.call(counter)
             grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad
                     and torch.is_grad_enabled())
             wsig = self.want_wsig and not recompute
@@ -347,17 +326,17 @@ class Capture:
             slot = self.n_taps + j * self.K + c
             if fit is not None and not recompute:  # a fit read from bf16/fp16 tensors is not exact: flagged, no rows
                 exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
-                self._put(slot, 2, fit.misfit if exact else fit.misfit.new_full((), LOW_PRECISION))
+                w.put(slot, 2, fit.misfit if exact else fit.misfit.new_full((), LOW_PRECISION))
             if wsig:
                 value = w_over_sigma(module, x, y, fit)
                 if value is not None:
-                    self._mark(slot, 1.0)
-                    self._put(slot, 1, value)
+                    w.mark(slot, 1.0)
+                    w.put(slot, 1, value)
             gain = norm_gain(module, kind, x, fit) if grad else None
             if gain is None:
                 return None
-            w, is_ln, eps, dims = gain
-            tapped = NormTap.apply(y, x, self.probe, point * self.K + c, kind, w, is_ln, eps, dims, self._eager())
+            gain_w, is_ln, eps, dims = gain
+            tapped = w.norm_tap(y, x, point * self.K + c, kind, gain_w, is_ln, eps, dims)
             return replace_first(output, tapped)
 
         return hook

@@ -56,10 +56,13 @@ class EagerGrads:
     Args:
         on_backward_end: called once at the end of each backward that delivered a norm.
         is_on: whether a recorded step is open.
+        taps: the probe's slots per channel (user statistic k goes to ``slot + k·taps``).
     """
 
-    def __init__(self, on_backward_end: Callable[[], None], is_on: Callable[[], bool]) -> None:
+    def __init__(self, on_backward_end: Callable[[], None], is_on: Callable[[], bool], taps: int = 0) -> None:
         self._is_on = is_on
+        self._taps = taps
+        self.stats: tuple = ()  # the wanted quantities' ``site_grad`` in this step
         self.pending: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖²)
         self._on_backward_end = on_backward_end
         self._queued = False
@@ -94,7 +97,7 @@ class EagerGrads:
     def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
         grad = grads[output]
         if grad is not None and self.live(epoch):
-            self.add(slot, self.squared_norm(grad))
+            self.add(slot, self.squared_norm(grad), grad)
 
     @property
     def epoch(self) -> int:
@@ -106,9 +109,12 @@ class EagerGrads:
         earlier step (``retain_graph=True``) that backward runs through again."""
         return epoch == self._epoch and self._is_on()
 
-    def add(self, slot: int, sq: torch.Tensor) -> None:
-        """One ‖grad‖² for ``slot``; the end of this backward hands them to the capture."""
+    def add(self, slot: int, sq: torch.Tensor, grad: torch.Tensor | None = None) -> None:
+        """One ‖grad‖² for ``slot`` (and the user statistics of ``grad``); the end of this
+        backward hands them to the capture."""
         self.pending.append((slot, sq))
+        if self.stats and grad is not None:
+            self.pending += [(slot + (k + 1) * self._taps, f(grad).float().reshape(())) for k, f in enumerate(self.stats)]
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)

@@ -228,13 +228,18 @@ def _bn_gain(module: nn.Module, x: torch.Tensor):
 
 
 def isolated_grad_sq(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps: float, dims: int) -> torch.Tensor:
-    """‖Jᵀg‖², J the norm's Jacobian at x: the squared norm of the gradient that flows back
-    through the norm alone. Closed forms (x̂ the normalised input, ĝ = w⊙g, r = 1/σ):
+    """‖Jᵀg‖² of :func:`isolated_grad`, reduced by :func:`~gradscope.recorder.sqnorm.dense_squared_norm`."""
+    return dense_squared_norm(isolated_grad(kind, x, g, w, is_ln, eps, dims))
+
+
+def isolated_grad(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps: float, dims: int) -> torch.Tensor:
+    """Jᵀg, J the norm's Jacobian at x: the gradient that flows back through the norm alone,
+    as a (rows, normalised features) fp32 matrix (its elements are those of the gradient at
+    the norm's input, in another shape). Closed forms (x̂ the normalised input, ĝ = w⊙g, r = 1/σ):
     LayerNorm r(ĝ − mean ĝ − x̂·mean(ĝx̂)); RMSNorm r(ĝ − x̂·mean(ĝx̂)); ScaleNorm
     (s/‖x‖)(g − x̂(x̂·g)); a batch norm in training LayerNorm's form over the batch per
     channel, in eval w·g/sqrt(running var + eps); a group norm LayerNorm's form per sample
-    and group. Computed in fp32 from the call's own
-    tensors, reduced by :func:`~gradscope.recorder.sqnorm.dense_squared_norm`."""
+    and group. Computed in fp32 from the call's own tensors."""
     if kind == "gn":  # per sample and group over (channels of the group, positions): LayerNorm's form
         N, C, G = x.shape[0], x.shape[1], dims
         spatial = x[0, 0].numel()
@@ -245,7 +250,7 @@ def isolated_grad_sq(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps:
         x2 = x.detach().movedim(channel, 0).reshape(C, -1).float()  # (C, everything else)
         g2 = g.movedim(channel, 0).reshape(C, -1).float()
         if not batch_stats:
-            return dense_squared_norm(w[:, None] * g2)
+            return w[:, None] * g2
         x, g, w, dims = x2, g2, w[:, None], 1  # LayerNorm's form: one row per channel, normalised over the batch
         kind = "ln"
     D = math.prod(x.shape[-dims:])
@@ -254,18 +259,18 @@ def isolated_grad_sq(kind: str, x: torch.Tensor, g: torch.Tensor, w, is_ln, eps:
         n = torch.linalg.vector_norm(x2, dim=-1, keepdim=True)
         xh = x2 / n.clamp_min(eps)
         jt = torch.where(n > eps, (w / n.clamp_min(eps)) * (g2 - xh * (xh * g2).sum(-1, keepdim=True)), (w / eps) * g2)
-        return dense_squared_norm(jt)
+        return jt
     gh = g2 if w is None else g2 * w
 
     def ln() -> torch.Tensor:
         r = torch.rsqrt(x2.var(dim=-1, unbiased=False, keepdim=True) + eps)
         xh = (x2 - x2.mean(dim=-1, keepdim=True)) * r
-        return dense_squared_norm(r * (gh - gh.mean(-1, keepdim=True) - xh * (gh * xh).mean(-1, keepdim=True)))
+        return r * (gh - gh.mean(-1, keepdim=True) - xh * (gh * xh).mean(-1, keepdim=True))
 
     def rms() -> torch.Tensor:
         r = torch.rsqrt(x2.square().mean(dim=-1, keepdim=True) + eps)
         xh = x2 * r
-        return dense_squared_norm(r * (gh - xh * (gh * xh).mean(-1, keepdim=True)))
+        return r * (gh - xh * (gh * xh).mean(-1, keepdim=True))
 
     if kind == "ln":
         return ln()

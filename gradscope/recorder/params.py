@@ -18,6 +18,7 @@ from torch import nn
 
 from gradscope.recorder import sqnorm
 from gradscope.recorder.layout import Layout
+from gradscope.table.keys import Key
 
 
 class ParamGroups:
@@ -45,9 +46,9 @@ class ParamGroups:
         self._membership = membership
         self._on: dict[torch.device, torch.Tensor] = {}
 
-    def keys(self, quantity: str) -> list[tuple]:
+    def keys(self, quantity: str) -> list[Key]:
         """Row keys of ``quantity`` for every group, in ``self.groups`` order."""
-        return [(-1, s, lay, g, quantity, None, r) for g, (s, lay), r in zip(self.groups, self.positions, self.roles)]
+        return [Key(-1, s, lay, g, quantity, None, r) for g, (s, lay), r in zip(self.groups, self.positions, self.roles)]
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -110,7 +111,7 @@ class ParamGroups:
             sq = torch.zeros(len(tensors), device=device)
             sq[torch.tensor([i for i, t in enumerate(tensors) if t is not None], device=device)] = stacked
         if sharded:
-            from gradscope.distributed import reduce_squared_norms
+            from gradscope.recorder.collectives import reduce_squared_norms
 
             sq = reduce_squared_norms(tensors, sq)
         return sq

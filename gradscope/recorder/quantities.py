@@ -1,24 +1,21 @@
-"""Every quantity in one registry (Cockpit style): what it captures, its schedule, its rows.
+"""The built-in quantities, one class each, and :data:`REGISTRY`, the one list of them.
 
-A quantity class names the in-graph captures it needs (``value``: a site's forward norm;
-``grad``: the tap's ‖∂loss/∂h‖²; ``wsig``: a norm's w/σ; ``cosine``: sampled layer-output
-rows), whether it is *slow* (taken every ``slow_every`` recorded steps), what it computes on
-the device at the end of a step (``collect``), and how the step's host values become table
-rows (``rows``). Adding a quantity is one class here plus its name in ``gradscope.table``.
-
-Row keys are ``(micro_step, stack, layer, site, quantity, layer_j, role)``.
+Each class holds everything about its quantity (:class:`~gradscope.recorder.quantity.Quantity`):
+what it captures, its schedule, its rows, how ranks combine it, whether ``spike`` watches
+it, and its description. The table's ``quantity`` values, the presets, validation,
+:func:`gradscope.distributed.global_rows`, the spike watch and the quantity reference
+(:func:`reference`) are all read from :data:`REGISTRY`. A user's own quantity is an
+instance passed to the Recorder, not an entry here.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from functools import cached_property
 
 import numpy as np
 import torch
 
-from gradscope.recorder.layout import Layout, Probe
+from gradscope.recorder.quantity import Quantity, ratio
 from gradscope.recorder.signal_quantities import (
     AttnEntropy,
     AttnLogitMax,
@@ -26,90 +23,19 @@ from gradscope.recorder.signal_quantities import (
     OutputLogitLogZ,
     OutputLogitLogZMax,
     SublayerOutRms,
-    group_grad_norms,
 )
-from gradscope.recorder.store import StepBuffer
-from gradscope.table import QUANTITIES
+from gradscope.recorder.step_data import StepData, call_name
+from gradscope.table.keys import Key
 
-Row = tuple[tuple, float]
-
-
-@dataclass
-class StepData:
-    """One recorded step on the host, after its single device→host transfer.
-
-    ``grad_sq`` (M, points·K) holds ‖∂loss/∂h‖² per micro-step and slot, already unscaled;
-    ``order`` (M, slots) the forward order of each slot's call (+ tapped, − not tapped, 0 not
-    called); ``value`` (M, slots) the forward statistic (‖h‖ for sites, w/σ for norms).
-    """
-
-    layout: Layout
-    points: list[Probe]
-    K: int
-    grad_sq: np.ndarray
-    order: np.ndarray
-    value: np.ndarray
-    device: dict[str, list[Row]] = field(default_factory=dict)  # rows computed on the device
-    blocks: dict[str, np.ndarray] = field(default_factory=dict)  # raw arrays from the device
-    unfit: set[str] = field(default_factory=set)  # norms whose output is not g·x̂ + b (adaptive norms)
-    no_backward: bool = False  # forward tapped gradients but no backward ran inside the step: no gradient rows
-    low_precision: set[str] = field(default_factory=set)  # fitted norms called on bf16/fp16 tensors (also in unfit)
-
-    @property
-    def micro_steps(self) -> int:
-        return self.grad_sq.shape[0]
-
-    def micro(self, m: int) -> int:
-        """The micro_step column for micro-step m (-1 when the step had only one)."""
-        return m if self.micro_steps > 1 else -1
-
-    @cached_property
-    def got(self) -> np.ndarray:
-        """(M, taps) bool: micro-steps in which a slot's value was tapped or its gradient
-        arrived (under reentrant checkpointing the tap is in the recompute)."""
-        return (self.order[:, : self.grad_sq.shape[1]] > 0) | (self.grad_sq != 0)
-
-    @cached_property
-    def _sites(self) -> list[tuple[Probe, int, int, str]]:
-        seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | (self.grad_sq != 0).any(axis=0)
-        out = []
-        for slot in np.flatnonzero(seen).tolist():
-            i, c = divmod(slot, self.K)
-            p = self.points[i]
-            out.append((p, c, slot, call_name(p.name, c)))
-        return out
-
-    def slot_sites(self) -> list[tuple[Probe, int, int, str]]:
-        """(point, call, slot, site name) of every (site, call) slot called in the step."""
-        return self._sites
-
-
-def call_name(name: str, call: int) -> str:
-    """Site name of the call-th (0-based) call of a module: ``name``, ``name#2``, ..."""
-    return name if call == 0 else f"{name}#{call + 1}"
-
-
-class Quantity:
-    """Base class: a quantity with no capture and no rows."""
-
-    name: str = ""
-    captures: frozenset[str] = frozenset()
-    slow: bool = False
-    logged: bool = False  # values come from ``rec.log``, whatever the quantities asked for
-    needs_backward: bool = False  # reads gradients: no rows for a step whose backward did not run inside it
-
-    def collect(self, rec, buf: StepBuffer) -> None:
-        """Device work at the end of a recorded step (values go into ``buf``)."""
-
-    def rows(self, data: StepData) -> list[Row]:
-        """Table rows of the step."""
-        return data.device.get(self.name, [])
+__all__ = ["REGISTRY", "Quantity", "StepData", "call_name", "reference", "resolve_quantities"]
 
 
 class ActNorm(Quantity):
     """‖h‖₂ of a site's forward value; the accumulated row is the norm over all micro-batches."""
 
     name, captures = "act_norm", frozenset({"value"})
+    description = "‖h‖₂ of the tensor crossing a site (the step's row: over all micro-batches)"
+    across_ranks = "rss"
 
     def rows(self, data):
         sites = data.slot_sites()
@@ -122,9 +48,9 @@ class ActNorm(Quantity):
             if not any_call:
                 continue
             if data.micro_steps > 1:
-                out += [((m, p.stack, p.layer, site, self.name, None, p.role), float(value[m, j]))
+                out += [(Key(m, p.stack, p.layer, site, self.name, None, p.role), float(value[m, j]))
                         for m in np.flatnonzero(called[:, j]).tolist()]
-            out.append(((-1, p.stack, p.layer, site, self.name, None, p.role), total[j]))
+            out.append((Key(-1, p.stack, p.layer, site, self.name, None, p.role), total[j]))
         return out
 
 
@@ -132,6 +58,9 @@ class ActGradNorm(Quantity):
     """‖∂loss/∂h‖₂ over the whole tensor crossing a site (Takase Fig. 3-4)."""
 
     name, captures, needs_backward = "act_grad_norm", frozenset({"grad"}), True
+    description = "‖∂loss/∂h‖₂ over the whole tensor crossing a site; at a norm's input, through that norm alone"
+    paper = "Takase et al. 2022, Fig. 3-4; Liu et al. 2020, Fig. 3"
+    across_ranks, spike_watched = "gradient_norm", True
 
     def rows(self, data):
         sites = data.slot_sites()
@@ -144,9 +73,9 @@ class ActGradNorm(Quantity):
             if not any_grad:
                 continue
             if data.micro_steps > 1:
-                out += [((m, p.stack, p.layer, site, self.name, None, p.role), math.sqrt(sq[m, j]))
+                out += [(Key(m, p.stack, p.layer, site, self.name, None, p.role), math.sqrt(sq[m, j]))
                         for m in np.flatnonzero(got[:, j]).tolist()]
-            out.append(((-1, p.stack, p.layer, site, self.name, None, p.role), total[j]))
+            out.append((Key(-1, p.stack, p.layer, site, self.name, None, p.role), total[j]))
         return out
 
 
@@ -154,7 +83,9 @@ class NonFinite(Quantity):
     """Sites whose value (``nonfinite``) or gradient (``nonfinite_grad``) held a NaN/Inf, in
     order of appearance (forward order; backward runs in reverse), value 0 first."""
 
-    name, captures = "nonfinite", frozenset({"value", "grad"})
+    name, captures, also_names = "nonfinite", frozenset({"value", "grad"}), ("nonfinite_grad",)
+    description = ("sites whose forward value (nonfinite) or gradient (nonfinite_grad) held a NaN/Inf; "
+                   "value = order of appearance, 0 first")
 
     def rows(self, data):
         out = []
@@ -170,7 +101,7 @@ class NonFinite(Quantity):
                     bwd.append((-order, p, site))
             for quantity, found in (("nonfinite", fwd), ("nonfinite_grad", bwd)):
                 for rank, (_, p, site) in enumerate(sorted(found, key=lambda f: f[0])):
-                    out.append(((data.micro(m), p.stack, p.layer, site, quantity, None, p.role), float(rank)))
+                    out.append((Key(data.micro(m), p.stack, p.layer, site, quantity, None, p.role), float(rank)))
         return out
 
 
@@ -179,6 +110,8 @@ class LnGain(Quantity):
     the factor by which backward through that norm scales the gradient."""
 
     name, captures, needs_backward = "ln_gain", frozenset({"grad"}), True
+    description = "‖gradient at a norm's input, through the norm alone‖ / ‖gradient at its output‖"
+    paper = "Takase et al. 2022, §3"
 
     def rows(self, data):
         index = {p.name: i for i, p in enumerate(data.points)}
@@ -193,9 +126,9 @@ class LnGain(Quantity):
                 g_in, g_out = data.grad_sq[got[:, c], s_in[c]], data.grad_sq[got[:, c], s_out[c]]
                 key = (norm.stack, norm.layer, call_name(norm.name, c), self.name, None, "")
                 if data.micro_steps > 1:
-                    out += [((m, *key), _ratio(math.sqrt(a), math.sqrt(b)))
+                    out += [(Key(m, *key), ratio(math.sqrt(a), math.sqrt(b)))
                             for m, a, b in zip(np.flatnonzero(got[:, c]).tolist(), g_in.tolist(), g_out.tolist())]
-                out.append(((-1, *key), _ratio(math.sqrt(g_in.sum()), math.sqrt(g_out.sum()))))
+                out.append((Key(-1, *key), ratio(math.sqrt(g_in.sum()), math.sqrt(g_out.sum()))))
         return out
 
 
@@ -204,6 +137,8 @@ class WOverSigma(Quantity):
     row averages the micro-steps. See :mod:`gradscope.recorder.norm_stats`."""
 
     name, captures = "ln_w_over_sigma", frozenset({"wsig"})
+    description = "mean over tokens and features of a norm's gain w / σ (the token's standard deviation)"
+    paper = "Xu et al. 2020, Table 2"
 
     def rows(self, data):
         out = []
@@ -217,8 +152,8 @@ class WOverSigma(Quantity):
                 key = (norm.stack, norm.layer, call_name(norm.name, c), self.name, None, "")
                 vals = data.value[got[:, c], slots[c]]
                 if data.micro_steps > 1:
-                    out += [((m, *key), v) for m, v in zip(np.flatnonzero(got[:, c]).tolist(), vals.tolist())]
-                out.append(((-1, *key), float(vals.mean())))
+                    out += [(Key(m, *key), v) for m, v in zip(np.flatnonzero(got[:, c]).tolist(), vals.tolist())]
+                out.append((Key(-1, *key), float(vals.mean())))
         return out
 
 
@@ -226,65 +161,73 @@ class Cosine(Quantity):
     """S[i, j] = mean over sampled non-pad tokens of cos(y_i, y_j), y_0 the embedding (Takase Fig. 5)."""
 
     name, captures, slow = "cosine", frozenset({"cosine"}), True
+    description = "S[i, j]: mean over sampled non-pad tokens of cos(y_i, y_j) of layer outputs (y_0 the embedding)"
+    paper = "Takase et al. 2022, Fig. 5"
 
-    def collect(self, rec, buf):
-        for stack, (matrix, written) in rec._capture.cosine.matrices().items():
-            site = stack if rec.layout.foreign else f"{stack}.layers"  # the layer list's module name
-            buf.add_matrix(-1, stack, site, self.name, matrix)
-            buf.add_block(f"cosine_written:{stack}", written)
+    def collect(self, ctx):
+        for stack, (matrix, written) in ctx.cosine_matrices().items():
+            site = stack if ctx.layout.foreign else f"{stack}.layers"  # the layer list's module name
+            ctx.add_matrix(stack, site, self.name, matrix)
+            ctx.add_block(f"cosine_written:{stack}", written)
 
     def rows(self, data):
         complete = {k.split(":", 1)[1] for k, w in data.blocks.items() if k.startswith("cosine_written:") and w.all()}
-        return [r for r in data.device.get(self.name, []) if r[0][1] in complete]
+        return [r for r in data.device.get(self.name, []) if r[0].stack in complete]
 
 
 class ParamGradNorm(Quantity):
     """‖grad‖ of parameters per layer, per sub-layer, per embedding, and in total (site "")."""
 
     name, needs_backward = "param_grad_norm", True
+    description = "‖p.grad‖ per parameter group (every parameter in one leaf group) and in total (site \"\")"
+    across_ranks, spike_watched = "shared", True
 
-    def collect(self, rec, buf):
-        norms = group_grad_norms(rec, buf)
+    def collect(self, ctx):
+        norms = ctx.group_grad_norms()
         if norms is not None:
-            keys = rec.groups.keys(self.name)
-            buf.add_many(keys, norms)
+            ctx.add_many(ctx.groups.keys(self.name), norms)
 
 
 class DlclWeight(Quantity):
     """DLCL W[r, k] (lower triangle) and transparent-attention weights (Wang 2019 Fig. 5)."""
 
-    name = "dlcl_weight"
+    name, across_ranks = "dlcl_weight", "shared"
+    description = "DLCL's layer-combination weights W[r, k] (lower triangle) and transparent attention's"
+    paper = "Wang et al. 2019, Fig. 5"
 
-    def collect(self, rec, buf):
-        for name, mixer in rec.layout.mixers.items():
+    def collect(self, ctx):
+        for name, mixer in ctx.layout.mixers.items():
             stack = name.split(".")[0] if name.startswith(("encoder", "decoder")) else ""
-            buf.add_matrix(-1, stack, name, self.name, mixer.mixing_weights())
+            ctx.add_matrix(stack, name, self.name, mixer.mixing_weights())
 
     def rows(self, data):
         return [r for r in data.device.get(self.name, [])
-                if not (r[0][3].endswith("combine") and r[0][5] > r[0][2])]
+                if not (r[0].site.endswith("combine") and r[0].layer_j > r[0].layer)]
 
 
 class ScaleNormG(Quantity):
     """The learned g of every ScaleNorm (Nguyen & Salazar 2019)."""
 
-    name = "scalenorm_g"
+    name, across_ranks = "scalenorm_g", "shared"
+    description = "the learned scale g of every ScaleNorm"
+    paper = "Nguyen & Salazar 2019"
 
-    def collect(self, rec, buf):
-        for norm in rec.layout.norms:
+    def collect(self, ctx):
+        for norm in ctx.layout.norms:
             g = getattr(norm.module, "g", None)
             if isinstance(g, torch.Tensor) and g.dim() == 0:
-                buf.add((-1, norm.stack, norm.layer, norm.name, self.name, None, ""), g.detach().float().reshape(()))
+                ctx.add(Key(-1, norm.stack, norm.layer, norm.name, self.name, None, ""), g)
 
 
 class Lr(Quantity):
     """The optimizer's learning rate (first group), when the Recorder was given the optimizer."""
 
-    name = "lr"
+    name, across_ranks = "lr", "shared"
+    description = "the optimizer's learning rate (first parameter group), when the Recorder was given the optimizer"
 
-    def collect(self, rec, buf):
-        if rec._lr_from_optimizer and rec.optimizer is not None:
-            buf.add_float((-1, "", None, "", self.name, None, ""), float(rec.optimizer.param_groups[0]["lr"]))
+    def collect(self, ctx):
+        if ctx.lr_from_optimizer and ctx.optimizer is not None:
+            ctx.add_model_value(self.name, float(ctx.optimizer.param_groups[0]["lr"]))
 
 
 class Logged(Quantity):
@@ -292,51 +235,96 @@ class Logged(Quantity):
 
     logged = True
 
-    def __init__(self, name: str) -> None:
-        self.name = name
+    def __init__(self, name: str, description: str, across_ranks: str = "local") -> None:
+        self.name, self.description, self.across_ranks = name, description, across_ranks
 
 
 class UpdateRatio(Quantity):
     """‖Δθ‖/‖θ‖ per parameter group around ``optimizer.step()`` (rows written by the Recorder's
     optimizer hooks, after the step's other rows)."""
 
-    name, slow = "update_ratio", True
+    name, slow, across_ranks = "update_ratio", True, "shared"
+    description = "‖Δθ‖ / ‖θ‖ per parameter group across optimizer.step() (needs Recorder(optimizer=...))"
+
+
+class Spike(Quantity):
+    """A value far above its own recent past (:mod:`gradscope.recorder.spike`); its rows are
+    added by the Recorder's outlet as each step's rows pass, from the watched quantities."""
+
+    name = "spike"
+    description = ("z-score (above 6) of a value against its series' previous 128 recorded values, for every "
+                   "quantity whose spike_watched is set")
+    paper = "OLMo-core's loss-spike rule"
 
 
 REGISTRY: dict[str, Quantity] = {
     q.name: q for q in (
-        ActGradNorm(), ActNorm(), ParamGradNorm(), LnGain(), Logged("loss"), Lr(), NonFinite(), WOverSigma(),
-        Cosine(), DlclWeight(), ScaleNormG(), UpdateRatio(), Logged("val_loss"),
+        ActGradNorm(), ActNorm(), ParamGradNorm(), LnGain(),
+        Logged("loss", "the training loss the loop logs (rec.log('loss', loss)); micro-batches: their mean", "loss"),
+        Lr(), NonFinite(), WOverSigma(), Cosine(), DlclWeight(), ScaleNormG(), UpdateRatio(),
+        Logged("val_loss", "the validation loss the loop logs (rec.log('val_loss', v, step=...))"),
         AttnLogitMax(), AttnEntropy(), OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
+        Spike(),
     )
 }
-"""Quantity name -> its class instance. ``nonfinite_grad`` rows come with ``nonfinite``."""
+"""Quantity name -> the built-in quantity. The one source of the quantity names, presets,
+rank rules and spike watch; ``nonfinite_grad`` rows come with ``nonfinite``."""
 
-
-def _ratio(a: float, b: float) -> float:
-    return a / b if b != 0 else (math.nan if a == 0 else math.inf)
-
+QUANTITY_NAMES: tuple[str, ...] = tuple(n for q in REGISTRY.values() for n in q.names)
+"""Every ``quantity`` value a built-in quantity writes."""
 
 # -- the quantities a Recorder takes ------------------------------------------------------------
 DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
 ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", "spike")
 SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "output_logit_log_z_max", "sublayer_out_rms",
                      "grad_rms_over_eps")  # signals before instability (gradscope.recorder.signals)
-SLOW_QUANTITIES = frozenset(name for name, q in REGISTRY.items() if q.slow)  # every ``slow_every`` recorded steps
+PRESETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES,
+                                       "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
 
 
-def resolve_quantities(quantities: str | tuple | list) -> tuple[str, ...]:
-    """``"default"``, ``"all"``, ``"signals"``, or a list of names from ``gradscope.table.QUANTITIES``
-    (``spike`` is computed on the host by the Recorder's outlet, :mod:`gradscope.recorder.spike`)."""
+def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
+    """The Recorder's quantities, by name: a preset (``"default"``, ``"all"``, ``"signals"``)
+    or a list of built-in names (:data:`REGISTRY`) and :class:`Quantity` instances.
+
+    Raises:
+        ValueError: an unknown preset or name (the message lists the valid ones), a name
+            that only comes with another quantity (``nonfinite_grad``), two quantities of
+            one name, or a user quantity that breaks the contract.
+    """
     if isinstance(quantities, str):
-        presets = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES, "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
-        if quantities not in presets:
-            raise ValueError(f"quantities: unknown preset {quantities!r}; valid: {sorted(presets)} or a list of {list(QUANTITIES)}")
-        return presets[quantities]
-    if not isinstance(quantities, (tuple, list)) or not all(isinstance(q, str) for q in quantities):
-        raise ValueError(f"quantities: 'default', 'all', 'signals' or a list of names from {sorted(QUANTITIES)}; "
-                         f"got {quantities!r}")
-    unknown = [q for q in quantities if q not in QUANTITIES]
+        if quantities not in PRESETS:
+            raise ValueError(f"quantities: unknown preset {quantities!r}; valid: {sorted(PRESETS)} or a list of "
+                             f"{list(REGISTRY)} and gradscope.Quantity instances")
+        quantities = PRESETS[quantities]
+    if not isinstance(quantities, (tuple, list)):
+        raise ValueError(f"quantities: 'default', 'all', 'signals' or a list of names from {sorted(REGISTRY)} and "
+                         f"gradscope.Quantity instances; got {quantities!r}")
+    unknown = [q for q in quantities if isinstance(q, str) and q not in REGISTRY]
     if unknown:
-        raise ValueError(f"quantities: unknown {unknown}; valid: {sorted(QUANTITIES)}")
-    return tuple(quantities)
+        homes = {q: h.name for q in unknown for h in REGISTRY.values() if q in h.also_names}
+        hint = "".join(f" ({q!r} rows come with {h!r}: ask for that)" for q, h in homes.items())
+        raise ValueError(f"quantities: unknown {unknown}{hint}; valid: {sorted(REGISTRY)} or gradscope.Quantity instances")
+    out: dict[str, Quantity] = {}
+    for q in quantities:
+        if isinstance(q, str):
+            q = REGISTRY[q]
+        elif isinstance(q, Quantity):
+            q.check()
+        else:
+            raise ValueError(f"quantities: {q!r} is neither a quantity name nor a gradscope.Quantity instance")
+        if q.name in out and out[q.name] is not q:
+            raise ValueError(f"quantities: two quantities named {q.name!r}")
+        out[q.name] = q
+    return out
+
+
+def reference() -> str:
+    """The quantity reference as a markdown table, generated from :data:`REGISTRY` (the
+    docs and the README's table are this, so they cannot drift)."""
+    lines = ["| quantity | what it is | taken | across ranks | spike watched | source |", "|---|---|---|---|---|---|"]
+    for q in REGISTRY.values():
+        taken = "every slow_every-th recorded step" if q.slow else "logged by the loop" if q.logged else "every recorded step"
+        name = " / ".join(f"`{n}`" for n in q.names)
+        lines.append(f"| {name} | {q.description} | {taken} | {q.across_ranks} | {'yes' if q.spike_watched else ''} "
+                     f"| {q.paper} |")
+    return "\n".join(lines) + "\n"

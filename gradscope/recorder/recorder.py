@@ -16,13 +16,14 @@ when the Recorder is made and removed by ``close()``; steps that are not recorde
 straight through them. Values stay on the device and reach the host once per recorded step.
 The recorder never draws from the global RNG, never re-runs a module and never writes to
 parameters, buffers or gradients, so training with and without it is bit-identical, eager
-or compiled. Each quantity is a class in :mod:`gradscope.recorder.quantities`.
+or compiled. Each quantity is a :class:`~gradscope.recorder.quantity.Quantity`: the
+built-in ones are in :mod:`gradscope.recorder.quantities`, and a user's own are instances
+passed in ``quantities``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
 import os
 import weakref
 from collections.abc import Iterator
@@ -34,15 +35,20 @@ import torch
 from torch import nn
 
 from gradscope.recorder.capture import Capture
-from gradscope.recorder.finish import check_calls, check_monotone, step_rows
+from gradscope.recorder.checks import StepChecks
+from gradscope.recorder.context import StepContext
+from gradscope.recorder.finish import SCALE, step_rows
 from gradscope.recorder.layout import find_layout
+from gradscope.recorder.options import RecorderOptions, moved_options, positional_names
+from gradscope.recorder.outlet import Outlet, make_sinks
 from gradscope.recorder.params import ParamGroups
-from gradscope.recorder.quantities import REGISTRY, SLOW_QUANTITIES, resolve_quantities
-from gradscope.recorder.spike import SPIKE, SpikeDetector
-from gradscope.recorder.store import RowStore, StepBuffer
-from gradscope.recorder.wrappers import HookGuards, dist_rank, grad_versions, no_autocast, unwrap
+from gradscope.recorder.quantities import resolve_quantities
+from gradscope.recorder.spike import SpikeDetector
+from gradscope.recorder.store import StepBuffer
+from gradscope.recorder.wrappers import HookGuards, dist_rank, no_autocast, unwrap
 from gradscope.sinks.base import RunInfo, Sink
-from gradscope.sinks.outlet import Outlet, make_sinks
+from gradscope.table.keys import model_key
+from gradscope.table.rows import RowStore
 
 class Recorder:
     """Records gradient norms and LayerNorm statistics of ``model``.
@@ -61,25 +67,18 @@ class Recorder:
         quantities: ``"default"`` (norms, ln_gain, loss, lr, nonfinite), ``"all"`` (every
             quantity of the seeds' papers), ``"signals"`` (default plus the signals before
             instability: attention logits and entropy, output log Z, sub-layer RMS, gradient
-            RMS over Adam's ε), or a list of quantity names.
+            RMS over Adam's ε), or a list of built-in quantity names and
+            :class:`gradscope.Quantity` instances (a user's own quantities).
         every: record steps whose index is a multiple of ``every`` (default 1).
         slow_every: cosine and update_ratio are taken on recorded steps that are
             multiples of this (default 10).
         sites: shell-style patterns selecting sites (default: all).
         run: value of the ``run`` column (default: the name of ``log_dir``, else ``"run"``).
-        variant: value of the ``variant`` column (default: the zoo config's variant, or
-            the model's class name).
         optimizer: when given, ``lr`` is read from it and ``update_ratio`` (‖Δθ‖/‖θ‖ per
             group) is measured around its ``step``.
         scaler: a ``torch.amp.GradScaler``; gradient norms are divided by its scale so the
-            table holds unscaled values.
-        cosine_tokens: tokens sampled per stack for ``cosine`` (stratified over the batch).
-        reduction: how the loss is reduced over tokens, written to every row.
-        seed: seed of the recorder's private token-sampling generator.
-        rank: value of the ``rank`` column (default: the torch.distributed rank, else 0).
-        max_calls: rows kept per site for a module called several times in one forward
-            (a shared layer): ``site``, ``site#2``, ... (default 16; later calls add into
-            the last and a warning says so).
+            table holds unscaled values (a user quantity's ``site_grad`` sees the gradient
+            as backward has it, scaled).
         log_dir: stream the rows to a parquet dataset in this folder
             (:class:`gradscope.sinks.ParquetSink`) instead of keeping them in memory;
             ``frame()`` then reads them back and ``gradscope.load(log_dir)`` reads the run.
@@ -87,6 +86,8 @@ class Recorder:
             written (default 100): at most this many are lost if the process is killed.
         sinks: more :class:`gradscope.sinks.Sink` s that receive every row as it is
             recorded (``TensorBoardSink``, ``WandbSink``); closed by ``close()``.
+        options: the settings most runs leave alone (``variant``, ``rank``, ``reduction``,
+            ``cosine_tokens``, ``max_calls``, ``seed``): :class:`RecorderOptions`.
     """
 
     def __init__(
@@ -98,51 +99,49 @@ class Recorder:
         slow_every: int = 10,
         sites: list[str] | None = None,
         run: str | None = None,
-        variant: str | None = None,
         optimizer: torch.optim.Optimizer | None = None,
         scaler=None,
-        cosine_tokens: int = 256,
-        reduction: str = "mean",
-        seed: int = 0,
-        rank: int | None = None,
-        max_calls: int = 16,
         log_dir: str | os.PathLike | None = None,
         flush_every: int = 100,
         sinks: list[Sink] | tuple = (),
+        options: RecorderOptions | None = None,
+        **moved,
     ) -> None:
-        for name, value in (("every", every), ("slow_every", slow_every), ("cosine_tokens", cosine_tokens),
-                            ("max_calls", max_calls)):
+        options = moved_options(moved) or options or RecorderOptions()
+        for name, value in (("every", every), ("slow_every", slow_every)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
-        if reduction not in ("mean", "sum"):
-            raise ValueError(f"reduction: must be 'mean' or 'sum', got {reduction!r}")
         model = unwrap(model)
         self.model = model
-        self.quantities = resolve_quantities(quantities)
+        self._quantities = resolve_quantities(quantities)
+        self.quantities = tuple(self._quantities)
         self.every, self.slow_every = every, slow_every
         self.layout = find_layout(model, sites)
         self.groups = ParamGroups(model, self.layout)
         self.run = run if run is not None else Path(log_dir).name if log_dir is not None else "run"
         config = getattr(model, "config", None)
-        self.variant = variant or getattr(config, "variant", None) or type(model).__name__
-        self.optimizer, self.scaler = optimizer, scaler
-        self.cosine_tokens, self.reduction = cosine_tokens, reduction
-        self.rank = rank if rank is not None else dist_rank()
-        self._generator = torch.Generator().manual_seed(seed)
+        self.variant = options.variant or getattr(config, "variant", None) or type(model).__name__
+        self.optimizer, self.scaler, self.options = optimizer, scaler, options
+        self.cosine_tokens, self.reduction = options.cosine_tokens, options.reduction
+        self.rank = options.rank if options.rank is not None else dist_rank()
+        self._generator = torch.Generator().manual_seed(options.seed)
         self._store = RowStore()
-        self._out = Outlet(self._store, make_sinks(log_dir, flush_every, sinks), RunInfo(self.run, self.variant, self.rank, reduction),
-                           SpikeDetector() if SPIKE in self.quantities else None)
-        self._forward_params = _positional_names(model)
-        self._capture = Capture(model, self.layout, max_calls, self._token_masks)
-        self._capture.install(frozenset().union(*(REGISTRY[q].captures for q in self.quantities if q in REGISTRY)))
+        watched = tuple(n for n, q in self._quantities.items() if q.spike_watched)
+        self._out = Outlet(self._store, make_sinks(log_dir, flush_every, sinks),
+                           RunInfo(self.run, self.variant, self.rank, self.reduction),
+                           SpikeDetector(watch=watched) if "spike" in self._quantities else None)
+        self._forward_params = positional_names(model)
+        self._value_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_values)
+        self._grad_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_grads)
+        self._capture = Capture(model, self.layout, options.max_calls, self._token_masks,
+                                value_stats=[self._quantities[n].site_value for n in self._value_stats],
+                                grad_stats=[self._quantities[n].site_grad for n in self._grad_stats])
+        self._capture.install(frozenset().union(*(q.captures for q in self._quantities.values())))
+        self._checks = StepChecks(model, self.layout, self._capture.points, options.max_calls)
         self._wants: set[str] = set()
         self._buffer: StepBuffer | None = None
         self._step: int | None = None
         self._recording = False
-        self._grad_versions: list | None = None
-        self._ever_seen = False
-        self._warned: set[str] = set()
-        self._last_recorded: int | None = None  # the highest step recorded so far
         self._pending_update: int | None = None
         self._before_update: list[torch.Tensor] | None = None
         self._opt_handles = []
@@ -194,20 +193,19 @@ class Recorder:
         self._step = step
         if not self.records(step):
             return False
-        self._last_recorded = check_monotone(self, step, self._last_recorded)
+        self._checks.begin(step)
         self._out.begin(step)
-        self._wants = set(self.quantities)
-        if step % (self.every * self.slow_every):
-            self._wants -= SLOW_QUANTITIES
-        captures = set().union(*(REGISTRY[q].captures for q in self._wants if q in REGISTRY))
+        slow = step % (self.every * self.slow_every) == 0
+        self._wants = {n for n, q in self._quantities.items() if slow or not q.slow}
+        captures = set().union(*(self._quantities[q].captures for q in self._wants))
+        stats = any(n in self._wants for n in self._value_stats + self._grad_stats)
         self._buffer = StepBuffer()
         self._capture.begin(self._device(), value="value" in captures, grad="grad" in captures,
                             wsig="wsig" in captures, cosine="cosine" in captures,
                             cosine_tokens=self.cosine_tokens, generator=self._generator,
-                            attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
+                            attention="attention" in captures, rms="rms" in captures, logits="logits" in captures,
+                            stats=stats)
         self._recording = True
-        if not self._ever_seen:
-            self._grad_versions = grad_versions(self.model)
         return True
 
     def end_step(self) -> None:
@@ -240,7 +238,7 @@ class Recorder:
         in one step (once per micro-batch), a quantity gets rows with micro_step 0, 1, ...
         and their mean as the step's row (micro_step -1).
         """
-        key = (-1, "", None, "", quantity, None, "")
+        key = model_key(quantity)
         if self._buffer is not None and step in (None, self._step):
             if isinstance(value, torch.Tensor):
                 self._buffer.add(key, value.detach().float().reshape(()))
@@ -260,17 +258,21 @@ class Recorder:
             snapshots, calls = self._capture.end()
             scale = self._grad_scale()
             if scale is not None:
-                buf.add((-1, "", None, "", "__scale__", None, ""), scale)
-            for name in wants:
-                if name in REGISTRY:
-                    REGISTRY[name].collect(self, buf)
+                buf.add(model_key(SCALE), scale)
+            ctx = StepContext(step, self.model, self.layout, self.groups, self.optimizer, self._lr_from_optimizer,
+                              self._capture.device, self._capture, buf, self._checks.warned)
+            for name, quantity in self._quantities.items():
+                if name in wants:
+                    quantity.collect(ctx)
             buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f, _ in snapshots]))
             keys, values, blocks = buf.to_host()  # the one host transfer of this step
             blocks["marks"] = np.stack([m for _, _, m in snapshots])
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
-                                       K=self._capture.K, wants=wants, params_unscaled=self._params_unscaled(),
-                                       backwards=self._capture.backwards)
-        self._ever_seen = check_calls(self, step, data, calls)
+                                       K=self._capture.K, quantities=self._quantities, wants=wants,
+                                       params_unscaled=self._params_unscaled(), backwards=self._capture.backwards,
+                                       value_stats=self._value_stats, grad_stats=self._grad_stats,
+                                       width=self._capture.width)
+        self._checks.after(step, data, calls, wants)
         self._out.append(step, keys, values)
         if "update_ratio" in wants and self.optimizer is not None:
             self._pending_update = step
@@ -340,7 +342,7 @@ class Recorder:
         self._store.load_state_dict(state["rows"])
         self._generator.set_state(state["generator"])
         steps = self._store.steps()
-        self._last_recorded = max(steps) if steps else None
+        self._checks.last_recorded = max(steps) if steps else None
 
     # -- output ----------------------------------------------------------------------------
     def frame(self, *, gather: bool = False, dst: int = 0) -> pd.DataFrame | None:
@@ -353,7 +355,7 @@ class Recorder:
             dst: the rank that receives the gathered table.
         """
         if gather:
-            from gradscope.distributed import gather_frame
+            from gradscope.recorder.collectives import gather_frame
             return gather_frame(self, dst=dst)
         disk = self._out.frame()  # with log_dir: the parts written so far and the buffer
         return disk if disk is not None else self._store.frame(run=self.run, variant=self.variant, rank=self.rank, reduction=self.reduction)
@@ -391,16 +393,12 @@ class Recorder:
         self.close()
 
     @property
+    def rows_in_memory(self) -> int:
+        """Rows kept in memory (none beyond a flush buffer with ``log_dir``)."""
+        return len(self._store)
+
+    @property
     def site_names(self) -> list[str]:
         """The sites this recorder probes."""
         return self.layout.site_names()
 
-
-def _positional_names(model: nn.Module) -> list[str]:
-    """Names of ``model.forward``'s positional parameters, in order (so that a mask passed
-    by position is found without inspecting anything during a traced forward)."""
-    try:
-        params = inspect.signature(model.forward).parameters.values()
-    except (TypeError, ValueError):
-        return []
-    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -1,7 +1,7 @@
 """The quantity classes of the signals that precede instability (the instability issue):
 ``attn_logit_max``, ``attn_entropy``, ``output_logit_log_z`` (with ``output_logit_log_z_max``),
 ``sublayer_out_rms`` and ``grad_rms_over_eps``. Their capture is
-:mod:`gradscope.recorder.signals`; they register in :data:`gradscope.recorder.quantities.REGISTRY`.
+:mod:`gradscope.recorder.signals`; they are in :data:`gradscope.recorder.quantities.REGISTRY`.
 
 Each gives one row per step (``micro_step`` -1): the forward signals are accumulated over
 the step's micro-batches (max of the maxima, mean of the means). Per-head rows carry the
@@ -11,11 +11,11 @@ heads for the logit, mean over heads for the entropy).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 
 from gradscope.recorder.layout import Layout
+from gradscope.recorder.quantity import Quantity
+from gradscope.table.keys import Key, model_key
 
 
 def position(layout: Layout, name: str) -> tuple[str, int | None]:
@@ -27,16 +27,13 @@ def position(layout: Layout, name: str) -> tuple[str, int | None]:
     return best
 
 
-class _Signal:
-    """Shared parts (the base class of quantities is imported lazily to avoid a cycle)."""
+class _Signal(Quantity):
+    """Shared parts: a NaN value means nothing was seen this step (no row)."""
 
-    name = ""
-    slow = False
-    logged = False
-    captures: frozenset[str] = frozenset()
+    paper = "Wortsman et al. 2023"
 
     def rows(self, data):
-        return [r for r in data.device.get(self.name, []) if r[1] == r[1]]  # NaN: nothing seen this step
+        return [r for r in data.device.get(self.name, []) if r[1] == r[1]]
 
 
 class AttnLogitMax(_Signal):
@@ -44,13 +41,18 @@ class AttnLogitMax(_Signal):
     (Wortsman et al. 2023 §3.1; Dehghani et al. 2023)."""
 
     name, captures, which = "attn_logit_max", frozenset({"attention"}), 0
+    description = "max over sampled queries and allowed keys of the attention logit q·k·scale, per head (layer_j) and layer"
+    paper = "Wortsman et al. 2023, §3.1; Dehghani et al. 2023"
 
-    def collect(self, rec, buf):
-        signals = rec._capture.signals
-        _warn_unrecognised(rec, signals, self.name)
+    def collect(self, ctx):
+        signals = ctx.signals
+        if not signals.attention:
+            ctx.warn_once("attention", f"{self.name}: no attention module recognised in {type(ctx.model).__name__} "
+                          "(q_proj/k_proj with a head count, or GPT-2's c_attn; see gradscope.recorder.signals): "
+                          "no attention rows")
         for a, values in zip(signals.attention, signals.attention_values()):
             heads = values[self.which]
-            _per_head(buf, rec.layout, a.name, self.name, heads, heads.amax() if self.which == 0 else heads.mean())
+            _per_head(ctx, a.name, self.name, heads, heads.amax() if self.which == 0 else heads.mean())
 
 
 class AttnEntropy(AttnLogitMax):
@@ -58,6 +60,8 @@ class AttnEntropy(AttnLogitMax):
     and per layer (Zhai et al. 2023: entropy collapse)."""
 
     name, which = "attn_entropy", 1
+    description = "mean over sampled queries of the attention distribution's entropy (nats), per head and layer"
+    paper = "Zhai et al. 2023"
 
 
 class OutputLogitLogZ(_Signal):
@@ -67,20 +71,22 @@ class OutputLogitLogZ(_Signal):
     ``config.vocab_size`` (HF outputs: ``.logits``)."""
 
     name, captures, which = "output_logit_log_z", frozenset({"logits"}), 0
+    description = "mean over the step's tokens of log Z, the logsumexp of the output logits"
+    paper = "Wortsman et al. 2023, §3.2"
 
-    def collect(self, rec, buf):
-        signals = rec._capture.signals
-        if not signals.vocab and "logits" not in rec._warned:
-            rec._warned.add("logits")
-            warnings.warn(f"gradscope: {self.name}: the model has no embedding table or config.vocab_size, "
-                          "so its output is not taken for logits: no rows", stacklevel=5)
-        buf.add((-1, "", None, "", self.name, None, ""), signals.logz_values()[self.which])
+    def collect(self, ctx):
+        signals = ctx.signals
+        if not signals.vocab:
+            ctx.warn_once("logits", f"{self.name}: the model has no embedding table or config.vocab_size, "
+                          "so its output is not taken for logits: no rows")
+        ctx.add(model_key(self.name), signals.logz_values()[self.which])
 
 
 class OutputLogitLogZMax(OutputLogitLogZ):
     """The max over the step's tokens of log Z (see :class:`OutputLogitLogZ`)."""
 
     name, which = "output_logit_log_z_max", 1
+    description = "max over the step's tokens of log Z, the logsumexp of the output logits"
 
 
 class SublayerOutRms(_Signal):
@@ -88,12 +94,14 @@ class SublayerOutRms(_Signal):
     tokens and features (Rybakov et al. 2024: output norms grow before divergence)."""
 
     name, captures = "sublayer_out_rms", frozenset({"rms"})
+    description = "RMS of each sub-layer's (residual branch's) output over the step's tokens and features"
+    paper = "Rybakov et al. 2024"
 
-    def collect(self, rec, buf):
-        subs = rec._capture.signals.sublayers
+    def collect(self, ctx):
+        subs = ctx.signals.sublayers
         if subs:
-            keys = [(-1, *position(rec.layout, n), n, self.name, None, "branch") for n, _ in subs]
-            buf.add_many(keys, rec._capture.signals.rms_values()[: len(subs)])
+            keys = [Key(-1, *position(ctx.layout, n), n, self.name, None, "branch") for n, _ in subs]
+            ctx.add_many(keys, ctx.signals.rms_values()[: len(subs)])
 
 
 class GradRmsOverEps(_Signal):
@@ -101,57 +109,41 @@ class GradRmsOverEps(_Signal):
     et al. 2023 §3.4; Everett et al. 2024): near or below 1, Adam's update shrinks."""
 
     name, needs_backward = "grad_rms_over_eps", True
+    description = "per parameter group, the gradient RMS ‖g‖/√n over the optimizer's ε (Adam's update shrinks near 1)"
+    paper = "Wortsman et al. 2023, §3.4; Everett et al. 2024"
 
-    def collect(self, rec, buf):
-        eps = _group_eps(rec)
+    def collect(self, ctx):
+        eps = _group_eps(ctx)
         if eps is None:
-            if self.name not in rec._warned:
-                rec._warned.add(self.name)
-                warnings.warn("gradscope: grad_rms_over_eps needs the optimizer (Recorder(optimizer=...)) and an 'eps' "
-                              "in its param groups (Adam, AdamW, ...): no rows", stacklevel=5)
+            ctx.warn_once(self.name, "grad_rms_over_eps needs the optimizer (Recorder(optimizer=...)) and an 'eps' "
+                          "in its param groups (Adam, AdamW, ...): no rows")
             return
-        norms = group_grad_norms(rec, buf)
+        norms = ctx.group_grad_norms()
         if norms is None:
             return
-        numel = rec.groups.membership(norms.device) @ torch.tensor(
-            [float(p.numel()) for p in rec.groups.params], device=norms.device)
-        keys = rec.groups.keys(self.name)
-        buf.add_many(keys, norms / numel.clamp_min(1).sqrt() / torch.tensor(eps, device=norms.device))
+        numel = ctx.groups.membership(norms.device) @ torch.tensor(
+            [float(p.numel()) for p in ctx.groups.params], device=norms.device)
+        keys = ctx.groups.keys(self.name)
+        ctx.add_many(keys, norms / numel.clamp_min(1).sqrt() / torch.tensor(eps, device=norms.device))
 
 
-def group_grad_norms(rec, buf) -> torch.Tensor | None:
-    """‖grad‖ per parameter group, computed once per step (``param_grad_norm`` shares it)."""
-    cache = buf.__dict__.setdefault("_cache", {})
-    if "group_grad_norms" not in cache:
-        cache["group_grad_norms"] = rec.groups.group_norms(rec.groups.grads())
-    return cache["group_grad_norms"]
-
-
-def _group_eps(rec) -> list[float] | None:
+def _group_eps(ctx) -> list[float] | None:
     """Adam's ε of each parameter group's first parameter, or None without an optimizer with ε."""
-    opt = rec.optimizer
+    opt = ctx.optimizer
     if opt is None or not all("eps" in g for g in opt.param_groups):
         return None
     eps = {id(p): float(g["eps"]) for g in opt.param_groups for p in g["params"]}
-    index = {n: i for i, n in enumerate(rec.groups.names)}
-    params = rec.groups.params
+    index = {n: i for i, n in enumerate(ctx.groups.names)}
+    params = ctx.groups.params
     out = []
-    for g in rec.groups.groups:
-        members = rec.layout.param_groups[g][2]
+    for g in ctx.groups.groups:
+        members = ctx.layout.param_groups[g][2]
         first = next((params[index[m]] for m in members if m in index), None)
         out.append(eps.get(id(first), next(iter(eps.values()), 1e-8)))
     return out
 
 
-def _per_head(buf, layout: Layout, site: str, quantity: str, heads: torch.Tensor, layer: torch.Tensor) -> None:
-    stack, pos = position(layout, site)
-    keys = [(-1, stack, pos, site, quantity, h, "") for h in range(heads.numel())]
-    buf.add_many([*keys, (-1, stack, pos, site, quantity, None, "")], torch.cat([heads.reshape(-1), layer.reshape(1)]))
-
-
-def _warn_unrecognised(rec, signals, quantity: str) -> None:
-    if not signals.attention and "attention" not in rec._warned:
-        rec._warned.add("attention")
-        warnings.warn(f"gradscope: {quantity}: no attention module recognised in {type(rec.model).__name__} (q_proj/k_proj "
-                      "with a head count, or GPT-2's c_attn; see gradscope.recorder.signals): no attention rows",
-                      stacklevel=5)
+def _per_head(ctx, site: str, quantity: str, heads: torch.Tensor, layer: torch.Tensor) -> None:
+    stack, pos = position(ctx.layout, site)
+    keys = [Key(-1, stack, pos, site, quantity, h, "") for h in range(heads.numel())]
+    ctx.add_many([*keys, Key(-1, stack, pos, site, quantity, None, "")], torch.cat([heads.reshape(-1), layer.reshape(1)]))

@@ -28,8 +28,13 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
+from gradscope.recorder.quantities import REGISTRY
+from gradscope.table.keys import Key
+
 SPIKE = "spike"
-WATCHED: tuple[str, ...] = ("act_grad_norm", "param_grad_norm")
+WATCHED: tuple[str, ...] = tuple(name for name, q in REGISTRY.items() if q.spike_watched)
+"""The built-in quantities whose ``spike_watched`` is set (a Recorder watches those of its
+own quantities, a user's included)."""
 WINDOW = 128
 SIGMAS = 6.0
 
@@ -52,10 +57,10 @@ class SpikeDetector:
         self._ring = np.full((0, window), np.nan)  # (series, window): previous values, NaN = empty or non-finite
         self._seen = np.zeros(0, dtype=np.int64)  # values pushed per series
 
-    def _ids(self, keys: list[tuple]) -> tuple[np.ndarray, np.ndarray]:
+    def _ids(self, keys: list[Key]) -> tuple[np.ndarray, np.ndarray]:
         rows, ids = [], []
         for i, k in enumerate(keys):
-            if k[0] == -1 and k[4] in self.watch:
+            if k.micro_step == -1 and k.quantity in self.watch:
                 idx = self._index.get(k)
                 if idx is None:
                     idx = self._index[k] = len(self._index)
@@ -67,16 +72,17 @@ class SpikeDetector:
             self._seen = np.concatenate([self._seen, np.zeros(n - len(self._seen), dtype=np.int64)])
         return np.asarray(rows, dtype=np.int64), np.asarray(ids, dtype=np.int64)
 
-    def rows(self, keys: list[tuple], values: np.ndarray) -> tuple[list[tuple], np.ndarray]:
+    def rows(self, keys: list[Key], values: np.ndarray) -> tuple[list[Key], np.ndarray]:
         """Checks one piece of a step's rows, then adds their values to the windows.
 
         Args:
-            keys: row keys ``(micro_step, stack, layer, site, quantity, layer_j, role)``.
+            keys: row keys.
             values: their values.
 
         Returns:
             (keys, z-scores) of the spike rows found (empty when none).
         """
+        keys = [k if isinstance(k, Key) else Key(*k) for k in keys]
         rows, ids = self._ids(keys)
         if not len(ids):
             return [], np.zeros(0)
@@ -93,7 +99,7 @@ class SpikeDetector:
         self._ring[ids, self._seen[ids] % self.window] = np.where(np.isfinite(v), v, np.nan)
         self._seen[ids] += 1
         found = np.flatnonzero(hit)
-        out = [(-1, keys[r][1], keys[r][2], keys[r][3], SPIKE, None, keys[r][6]) for r in rows[found].tolist()]
+        out = [keys[r]._replace(quantity=SPIKE, layer_j=None) for r in rows[found].tolist()]
         return out, z[found]
 
 

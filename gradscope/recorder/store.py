@@ -1,8 +1,8 @@
-"""Per-step device buffers and the host-side row store.
+"""The device buffer of one recorded step.
 
 During a recorded step every hook appends a 0-d device tensor and a key; at the end of the
-step all values reach the host in one transfer. Rows are kept as compact arrays (interned
-keys + float64 values), so memory grows by ~20 bytes per row, not by a Python dict per row.
+step all values reach the host in one transfer. The host keeps rows in
+:class:`gradscope.table.rows.RowStore`.
 """
 
 from __future__ import annotations
@@ -10,13 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-import pandas as pd
 import torch
 
-from gradscope.table import COLUMNS, DTYPES, empty_frame
-
-# key = (micro_step, stack, layer, site, quantity, layer_j, role)
-Key = tuple[int, str, "int | None", str, str, "int | None", str]
+from gradscope.table.keys import Key
 
 
 @dataclass
@@ -74,7 +70,7 @@ class StepBuffer:
         for micro, stack, site, quantity, m in self.matrices:
             rows, cols = m.shape
             parts.append(m.float().reshape(-1))
-            keys += [(micro, stack, i, site, quantity, j, "") for i in range(rows) for j in range(cols)]
+            keys += [Key(micro, stack, i, site, quantity, j, "") for i in range(rows) for j in range(cols)]
         n_rows = sum(p.numel() for p in parts)
         parts += [b.float().reshape(-1) for b in self.blocks.values()]
         flat = torch.cat([p.to(parts[0].device) for p in parts]).cpu().double().numpy() if parts else np.zeros(0)
@@ -103,73 +99,3 @@ def _stack_across_devices(scalars: list[torch.Tensor]) -> torch.Tensor:
     for dev, idx in by_device.items():
         out[torch.tensor(idx, device=device)] = torch.stack([scalars[i] for i in idx]).float().to(device)
     return out
-
-
-class RowStore:
-    """Host-side rows of the tidy table, stored as interned keys and value arrays."""
-
-    def __init__(self) -> None:
-        self._key_index: dict[Key, int] = {}
-        self._keys: list[Key] = []
-        self._chunks: list[tuple[int, np.ndarray, np.ndarray]] = []  # (step, key ids, values)
-
-    def append(self, step: int, keys: list[Key], values: np.ndarray) -> None:
-        """Adds one step's rows."""
-        if not keys:
-            return
-        ids = np.fromiter((self._intern(k) for k in keys), dtype=np.int32, count=len(keys))
-        self._chunks.append((step, ids, np.asarray(values, dtype=np.float64)))
-
-    def _intern(self, key: Key) -> int:
-        idx = self._key_index.get(key)
-        if idx is None:
-            idx = self._key_index[key] = len(self._keys)
-            self._keys.append(key)
-        return idx
-
-    def __len__(self) -> int:
-        return sum(len(ids) for _, ids, _ in self._chunks)
-
-    def steps(self) -> list[int]:
-        """Steps present, in recording order."""
-        return [s for s, _, _ in self._chunks]
-
-    def state_dict(self) -> dict:
-        """Keys and chunks as lists and tensors, safe for ``torch.load(weights_only=True)``."""
-        return {
-            "keys": [list(k) for k in self._keys],
-            "chunks": [(step, torch.from_numpy(ids.copy()), torch.from_numpy(values.copy())) for step, ids, values in self._chunks],
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        """Replaces the stored rows with those of :meth:`state_dict`."""
-        self._keys = [(*k, "")[:7] if len(k) == 6 else tuple(k) for k in state["keys"]]  # older checkpoints: no role
-        self._key_index = {k: i for i, k in enumerate(self._keys)}
-        self._chunks = [(int(step), ids.numpy().astype(np.int32), values.numpy().astype(np.float64))
-                        for step, ids, values in state["chunks"]]
-
-    def frame(self, *, run: str, variant: str, rank: int, reduction: str) -> pd.DataFrame:
-        """The canonical tidy table of everything stored."""
-        if not self._chunks:
-            return empty_frame()
-        steps = np.concatenate([np.full(len(ids), s, dtype=np.int64) for s, ids, _ in self._chunks])
-        ids = np.concatenate([ids for _, ids, _ in self._chunks])
-        values = np.concatenate([v for _, _, v in self._chunks])
-        keys = pd.DataFrame(self._keys, columns=["micro_step", "stack", "layer", "site", "quantity", "layer_j", "role"])
-        rows = keys.iloc[ids].reset_index(drop=True)
-        data = {
-            "run": run,
-            "variant": variant,
-            "step": steps,
-            "micro_step": rows["micro_step"].to_numpy(np.int64),
-            "rank": rank,
-            "stack": rows["stack"].to_numpy(),
-            "layer": pd.array(rows["layer"].tolist(), dtype="Int64"),
-            "site": rows["site"].to_numpy(),
-            "quantity": rows["quantity"].to_numpy(),
-            "value": values,
-            "layer_j": pd.array(rows["layer_j"].tolist(), dtype="Int64"),
-            "reduction": reduction,
-            "role": rows["role"].to_numpy(),
-        }
-        return pd.DataFrame(data, columns=list(COLUMNS)).astype(DTYPES)

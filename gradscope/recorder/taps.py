@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from gradscope.recorder.norm_stats import isolated_grad_sq
+from gradscope.recorder.norm_stats import isolated_grad
 from gradscope.recorder.sqnorm import dense_squared_norm
 
 
@@ -15,17 +15,29 @@ def in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_autograd_node() is not None
 
 
+def probe_grad(sq: torch.Tensor, grad: torch.Tensor, slot: int, size: int, stats: tuple) -> torch.Tensor:
+    """The probe's gradient from one tap: ‖grad‖² at ``slot`` and, with user statistics
+    (``stats``: the wanted quantities' ``site_grad``), statistic k at ``slot + k·taps``."""
+    if not stats:
+        return F.pad(sq.reshape(1), (slot, size - slot - 1))
+    taps = size // (1 + len(stats))
+    values = torch.stack([sq.reshape(()), *(f(grad).float().reshape(()) for f in stats)])
+    at = torch.arange(len(stats) + 1, device=grad.device) * taps + slot
+    return values.new_zeros(size).index_copy(0, at, values)
+
+
 class Tap(torch.autograd.Function):
     """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
-    (fp32) at ``slot`` of the probe's gradient. Run eagerly (``eager`` given: an
-    :class:`~gradscope.recorder.eager.EagerGrads`), it hands ‖grad‖² to that instead, which
+    (fp32) at ``slot`` of the probe's gradient (and the user statistics ``stats`` further
+    on: :func:`probe_grad`). Run eagerly (``eager`` given: an
+    :class:`~gradscope.recorder.eager.EagerGrads`), it hands them to that instead, which
     saves the probe's padding and summing."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, probe: torch.Tensor, slot: int, eager) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, probe: torch.Tensor, slot: int, eager, stats: tuple = ()) -> torch.Tensor:
         # (forward takes ctx itself: a separate setup_context makes every eager apply bind its
         # arguments through inspect.signature, which costs more than the rest of the tap)
-        ctx.slot, ctx.size, ctx.eager = slot, probe.shape[0], eager
+        ctx.slot, ctx.size, ctx.eager, ctx.stats = slot, probe.shape[0], eager, stats
         ctx.epoch = None if eager is None else eager.epoch
         return x.detach()  # an alias, not a view: in-place ops after the site stay legal
 
@@ -33,10 +45,9 @@ class Tap(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         if ctx.eager is not None:  # eager: hand ‖grad‖² over, no padding or summing
             if ctx.eager.live(ctx.epoch):
-                ctx.eager.add(ctx.slot, ctx.eager.squared_norm(grad))
-            return grad, None, None, None
-        sq = dense_squared_norm(grad).reshape(1)
-        return grad, F.pad(sq, (ctx.slot, ctx.size - ctx.slot - 1)), None, None
+                ctx.eager.add(ctx.slot, ctx.eager.squared_norm(grad), grad)
+            return grad, None, None, None, None
+        return grad, probe_grad(dense_squared_norm(grad), grad, ctx.slot, ctx.size, ctx.stats), None, None, None
 
 
 class NormTap(torch.autograd.Function):
@@ -44,23 +55,24 @@ class NormTap(torch.autograd.Function):
     alone, at its input; :func:`~gradscope.recorder.norm_stats.isolated_grad_sq`) at ``slot``."""
 
     @staticmethod
-    def forward(ctx, y, x, probe, slot, kind, w, is_ln, eps, dims, eager):
+    def forward(ctx, y, x, probe, slot, kind, w, is_ln, eps, dims, eager, stats=()):
         ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.eager, ctx.size = slot, kind, eps, dims, eager, probe.shape[0]
-        ctx.epoch = None if eager is None else eager.epoch
+        ctx.stats, ctx.epoch = stats, None if eager is None else eager.epoch
         ctx.save_for_backward(x, w, is_ln)
         return y.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
+        none = (None,) * 10
         if ctx.eager is not None and not ctx.eager.live(ctx.epoch):
-            return grad, None, None, None, None, None, None, None, None, None
+            return grad, *none
         x, w, is_ln = ctx.saved_tensors
-        sq = isolated_grad_sq(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
+        through = isolated_grad(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
+        sq = dense_squared_norm(through)
         if ctx.eager is not None:
-            ctx.eager.add(ctx.slot, sq)
-            return grad, None, None, None, None, None, None, None, None, None
-        sq = F.pad(sq.reshape(1), (ctx.slot, ctx.size - ctx.slot - 1))
-        return grad, None, sq, None, None, None, None, None, None, None
+            ctx.eager.add(ctx.slot, sq, through)
+            return grad, *none
+        return grad, None, probe_grad(sq, through, ctx.slot, ctx.size, ctx.stats), *none[:8]
 
 
 def first_tensor(value) -> torch.Tensor | None:

@@ -1,8 +1,8 @@
 """The interface every sink shares, and the series name a row gets in a tracker.
 
 A *sink* receives a run's rows as they are recorded, step by step, in the form the recorder
-keeps them: row keys ``(micro_step, stack, layer, site, quantity, layer_j, role)`` and a
-float64 vector of values (:mod:`gradscope.recorder.store`). The run-wide columns (``run``,
+keeps them: row keys (:class:`gradscope.table.keys.Key`) and a
+float64 vector of values. The run-wide columns (``run``,
 ``variant``, ``rank``, ``reduction``) come once, in :class:`RunInfo`.
 
 Order of calls, made by :class:`gradscope.sinks.Outlet` for one Recorder::
@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-Key = tuple  # (micro_step, stack, layer, site, quantity, layer_j, role), as in gradscope.recorder.store
+from gradscope.table.keys import Key
+
 
 
 @dataclass(frozen=True)

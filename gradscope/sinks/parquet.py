@@ -6,7 +6,7 @@ recorded steps in memory; then they become one *part file*
 temporary file, fsync'ed and renamed, so a reader (or a run killed at any moment) sees
 whole part files or none. Parts are never rewritten. Every part has the SPEC §3 columns with
 the pyarrow types of :data:`SCHEMA` (those of the in-memory ``rec.frame()``) and the
-``gradscope.format`` tag of :mod:`gradscope.io`.
+``gradscope.format`` tag of :mod:`gradscope.table.parquet`.
 
 Reading: :func:`read` (``gradscope.load(directory)``) reads every part below a folder, so
 ``gradscope.load("runs/")`` gives all runs in one frame, told apart by the ``run`` column.
@@ -38,20 +38,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
-import pyarrow.parquet as pq
 
-from gradscope.recorder.store import RowStore
-from gradscope.sinks.base import Key, RunInfo, Sink
+from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table import COLUMNS, DTYPES, empty_frame
-
-WRITTEN_KEY = b"gradscope.written_ns"
-"""Part-file metadata: when the part was written (``time.time_ns()``); a step written twice
-(a run resumed into its own ``log_dir``) is read from the newest part that holds it."""
-
-SCHEMA: pa.Schema = pa.Schema.from_pandas(empty_frame(), preserve_index=False).remove_metadata()
-"""The pyarrow schema of every part file: the SPEC §3 columns with the types pandas gives
-``rec.frame()`` (strings, int64, nullable int64 for ``layer``/``layer_j``, float64)."""
-
+from gradscope.table.keys import Key
+from gradscope.table.parquet import SCHEMA, WRITTEN_KEY, legacy_roles, require_tag, to_arrow, unreadable, write_part
+from gradscope.table.rows import RowStore
 
 class ParquetSink(Sink):
     """Streams a run's rows to an append-only parquet dataset in ``log_dir``.
@@ -163,31 +155,6 @@ def _last_writes(tables: list[pa.Table], stamps: list[int]) -> pd.DataFrame:
     return df[df["_written"] == newest].drop(columns="_written").reset_index(drop=True)
 
 
-def to_arrow(df: pd.DataFrame) -> pa.Table:
-    """A gradscope table as a pyarrow table with :data:`SCHEMA` and the format tag."""
-    from gradscope.io import FORMAT_KEY, FORMAT_VERSION
-
-    table = pa.Table.from_pandas(df[list(COLUMNS)].astype(DTYPES), preserve_index=False)
-    if table.schema.remove_metadata() != SCHEMA:
-        table = table.cast(SCHEMA.with_metadata(table.schema.metadata))
-    return table.replace_schema_metadata({**(table.schema.metadata or {}), FORMAT_KEY: FORMAT_VERSION})
-
-
-def write_part(table: pa.Table, path: Path) -> Path:
-    """Writes ``table`` to ``path`` atomically: hidden temporary file, fsync, rename."""
-    from gradscope.io import atomic_write
-
-    def write(tmp: str) -> None:
-        pq.write_table(table, tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)  # the rename must not reach the disk before the data
-        finally:
-            os.close(fd)
-
-    return atomic_write(path, write)
-
-
 def part_files(path: str | os.PathLike) -> list[Path]:
     """Every parquet file at or below ``path``, sorted, skipping hidden and ``_``-prefixed
     names (temporary files of writes in progress, ``_SUCCESS``-style markers)."""
@@ -237,15 +204,13 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
         in several parts (a run resumed from a checkpoint into its own ``log_dir`` writes
         again the steps it had flushed after that checkpoint) is read from the newest part
         only: the last write wins. Parts written before the ``role`` column existed get it
-        from :func:`gradscope.io.legacy_roles`.
+        from :func:`gradscope.table.parquet.legacy_roles`.
 
     Raises:
         FileNotFoundError: no parquet file there.
         ValueError: a file is unreadable or not a gradscope table (the message names it).
     """
     from tqdm.auto import tqdm
-
-    from gradscope.io import FORMAT_KEY, legacy_roles
 
     dataset = open_dataset(path)
     columns = list(columns or COLUMNS)
@@ -256,9 +221,8 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
             schema = fragment.physical_schema
             table = fragment.to_table(schema=SCHEMA, columns=columns, filter=filter)
         except Exception as err:  # pyarrow raises several types for corrupt files
-            raise ValueError(f"gradscope.load: {fragment.path} is not a readable parquet file ({type(err).__name__}: {err})") from err
-        if (schema.metadata or {}).get(FORMAT_KEY) is None:
-            raise ValueError(f"gradscope.load: {fragment.path} is parquet but not a gradscope table (no {FORMAT_KEY.decode()} tag)")
+            raise unreadable(fragment.path, err) from err
+        require_tag(schema, fragment.path)
         legacy |= "role" not in schema.names
         tables.append(table)
         stamp = (schema.metadata or {}).get(WRITTEN_KEY)

@@ -16,7 +16,8 @@ import os
 import numpy as np
 import pandas as pd
 
-from gradscope.sinks.base import Key, NameCache, RunInfo, Sink
+from gradscope.sinks.base import NameCache, RunInfo, Sink
+from gradscope.table.keys import Key
 
 
 class TensorBoardSink(Sink):

@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradscope.sinks.base import Key, NameCache, RunInfo, Sink
+from gradscope.sinks.base import NameCache, RunInfo, Sink
+from gradscope.table.keys import Key
 
 STEP_KEY = "gradscope/step"
 

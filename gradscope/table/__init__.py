@@ -13,7 +13,6 @@ from gradscope.table.schema import (
     COLUMNS,
     DTYPES,
     PARAM_ROLES,
-    QUANTITIES,
     ROLES,
     SWEEP_COLUMNS,
     ZOO_SUFFIX_ROLES,
@@ -24,6 +23,6 @@ from gradscope.table.schema import (
 )
 
 __all__ = [
-    "COLUMNS", "DTYPES", "PARAM_ROLES", "QUANTITIES", "ROLES", "SWEEP_COLUMNS", "ZOO_SUFFIX_ROLES", "concat", "empty_frame",
+    "COLUMNS", "DTYPES", "PARAM_ROLES", "ROLES", "SWEEP_COLUMNS", "ZOO_SUFFIX_ROLES", "concat", "empty_frame",
     "make_frame", "select", "validate",
 ]

@@ -16,17 +16,10 @@ Columns:
         stack-level rows. For matrix quantities: the row index i.
     site: full site name from the module tree (``decoder.layers.3.cross_attn.norm.in``);
         for parameter norms, the module prefix (``""`` for the total).
-    quantity: ``act_grad_norm``, ``param_grad_norm``, ``ln_gain``, ``ln_w_over_sigma``,
-        ``cosine``, ``dlcl_weight``, ``scalenorm_g``, ``loss``, ``val_loss``, ``lr``,
-        ``update_ratio``, ``nonfinite`` (forward activations that held a NaN/Inf, value =
-        order of appearance, 0 first), ``nonfinite_grad`` (the same for gradients, after
-        every forward row), ``act_norm`` (‖h‖₂ of the site's forward value); the signals
-        before instability ``attn_logit_max`` and ``attn_entropy`` (per head: ``layer_j``
-        is the head), ``output_logit_log_z`` (mean log-partition of the output logits) and
-        ``output_logit_log_z_max``, ``sublayer_out_rms``, ``grad_rms_over_eps``
-        (:mod:`gradscope.recorder.signals`); ``spike`` (the z-score, above 6, of an
-        ``act_grad_norm`` or ``param_grad_norm`` value against that series' previous 128
-        recorded values: :mod:`gradscope.recorder.spike`).
+    quantity: the quantity's name: a built-in one (``act_grad_norm``, ``param_grad_norm``,
+        ``ln_gain``, ``cosine``, ``loss``...: every one, with its definition, in
+        :data:`gradscope.recorder.quantities.REGISTRY` and the generated quantity
+        reference) or a user quantity's own name.
     value: the number (float64).
     layer_j: column index j of matrix quantities, the head (0-based) of per-head
         quantities, ``<NA>`` otherwise.
@@ -98,31 +91,6 @@ ZOO_SUFFIX_ROLES: tuple[tuple[str, str], ...] = (
 )
 """Site-name suffix -> role for the zoo's canonical names (SPEC §2): the recorder's layout
 decides roles with it, and ``gradscope.io`` reads old tables that have no ``role`` column."""
-
-QUANTITIES: tuple[str, ...] = (
-    "act_grad_norm",
-    "param_grad_norm",
-    "ln_gain",
-    "ln_w_over_sigma",
-    "cosine",
-    "dlcl_weight",
-    "scalenorm_g",
-    "loss",
-    "lr",
-    "update_ratio",
-    "nonfinite",
-    "nonfinite_grad",
-    "act_norm",
-    "val_loss",
-    "attn_logit_max",
-    "attn_entropy",
-    "output_logit_log_z",
-    "output_logit_log_z_max",
-    "sublayer_out_rms",
-    "grad_rms_over_eps",
-    "spike",
-)
-
 
 SWEEP_COLUMNS: tuple[str, ...] = ("run", "variant", "init", "depth", "best_val_loss", "converged")
 """Columns of a depth-sweep summary (a second, per-run table), one row per training run.

@@ -15,9 +15,10 @@ import numpy as np
 import pandas as pd
 
 from gradscope.recorder.spike import SpikeDetector
-from gradscope.recorder.store import RowStore
-from gradscope.sinks.base import Key, RunInfo, Sink
+from gradscope.sinks.base import RunInfo, Sink
 from gradscope.sinks.parquet import ParquetSink
+from gradscope.table.keys import Key
+from gradscope.table.rows import RowStore
 
 
 def make_sinks(log_dir: str | os.PathLike | None, flush_every: int, sinks) -> list[Sink]:

@@ -1,0 +1,116 @@
+"""What a Recorder tells its user about recorded steps: one warning per topic, or an error.
+
+:class:`StepChecks` holds the Recorder's memory of what it has said and seen: the topics
+already warned about, whether any hook has fired yet, and the highest step recorded.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+
+from gradscope.recorder.layout import Layout, Probe
+from gradscope.recorder.step_data import StepData
+from gradscope.recorder.wrappers import grad_versions
+
+NO_HOOK_FIRED = (
+    "Recorder: backward ran in this step but none of the recorder's hooks fired. Most likely the model "
+    "was compiled and called before the Recorder was made (torch.compile does not see hooks added after "
+    "its first trace): make the Recorder before the first compiled call, or call torch._dynamo.reset(). "
+    "Or another instance of the same model class was compiled and run before the Recorder was made, and "
+    "Dynamo, which then did not guard on module hooks, reuses that graph: make the Recorder first (while a "
+    "Recorder is open, gradscope turns torch._dynamo.config.skip_nnmodule_hook_guards off)."
+)
+
+
+class StepChecks:
+    """The warnings (once per topic) and errors of one Recorder's recorded steps.
+
+    Args:
+        model: the recorded model (its gradients tell whether backward ran).
+        layout: its sites, norms and stacks.
+        points: the probed sites, in the capture's order.
+        max_calls: slots per site (the capture's K).
+    """
+
+    def __init__(self, model: nn.Module, layout: Layout, points: list[Probe], max_calls: int) -> None:
+        self.model, self.layout, self.points, self.K = model, layout, points, max_calls
+        self.warned: set[str] = set()
+        self.ever_seen = False  # any hook fired in a recorded step
+        self.last_recorded: int | None = None  # the highest step recorded so far
+        self._grad_versions: list | None = None
+
+    def warn_once(self, topic: str, message: str, stacklevel: int = 5) -> None:
+        """Warns ``gradscope: <message>`` the first time ``topic`` comes up."""
+        if topic not in self.warned:
+            self.warned.add(topic)
+            warnings.warn(f"gradscope: {message}", stacklevel=stacklevel)
+
+    def begin(self, step: int) -> None:
+        """A recorded step opens: warns (once) when it repeats or goes back, and notes the
+        gradients' versions until a hook has fired (to tell an unhooked compiled model)."""
+        last = self.last_recorded
+        if last is not None and step <= last:
+            self.warn_once("repeat", f"step {step} recorded after step {last}: step indices should increase, or the "
+                           "table holds a step twice (rec.frame() keeps both; gradscope.load(log_dir) keeps the last "
+                           "write of each step). Pass the global step to rec.step(). Not reported again.", stacklevel=6)
+        self.last_recorded = step if last is None else max(step, last)
+        if not self.ever_seen:
+            self._grad_versions = grad_versions(self.model)
+
+    def after(self, step: int, data: StepData, calls: list[int], wants: set[str]) -> None:
+        """Raises when no hook fired although backward ran; warns (once each) about a step
+        with no backward, sites that saw no call, stacks without cosine rows, norms whose
+        gradient is not known, and modules called more often than ``max_calls``."""
+        if data.no_backward:
+            self.warn_once("no_backward", f"step {step} was recorded but no backward ran inside it, so it has no "
+                           "gradient rows (act_grad_norm, ln_gain, param_grad_norm, ...): call loss.backward() inside "
+                           "`with rec.step(step):` (or before rec.end_step()). Later steps like this are not reported "
+                           "again.", stacklevel=5)
+        seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
+        if not seen:
+            if not self.ever_seen and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
+                raise RuntimeError(NO_HOOK_FIRED)
+            return
+        self.ever_seen = True
+        silent = [p.name for p in self.points if p.name not in seen and p.name not in self.warned]
+        if silent:
+            self.warned.update(silent)
+            warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
+                          f"{silent[:8]}{' ...' if len(silent) > 8 else ''} (drop them with sites=...)", stacklevel=4)
+        if "cosine" in wants:
+            self._cosine(step, data)
+        low = sorted(data.low_precision - self.warned)
+        if low:
+            self.warned.update(low)
+            warnings.warn(f"gradscope: {low[:4]} ran on bf16/fp16 tensors; the gradient through a norm that is not "
+                          "nn.LayerNorm/nn.RMSNorm is then computed from a fit that is not exact (measured up to 3e-4 "
+                          "off under bf16 autocast), so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows",
+                          stacklevel=4)
+        unfit = sorted(data.unfit - data.low_precision - self.warned)
+        if unfit:
+            self.warned.update(unfit)
+            warnings.warn(f"gradscope: {unfit[:4]} do not map their normalised input to their output with one gain "
+                          "per feature (adaptive norms?): the gradient through them alone is not known without "
+                          "re-running them, so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows",
+                          stacklevel=4)
+        over = [p.name for p, n in zip(self.points, calls) if n > self.K and p.name not in self.warned]
+        if over:
+            self.warned.update(over)
+            warnings.warn(f"gradscope: {over[:4]} called more than max_calls={self.K} times in one forward; "
+                          "later calls are added into the last row (raise max_calls)", stacklevel=4)
+
+    def _cosine(self, step: int, data: StepData) -> None:
+        written = {k.split(":", 1)[1]: w for k, w in data.blocks.items() if k.startswith("cosine_written:")}
+        missing = [st.name for st in self.layout.stacks if not (st.name in written and written[st.name].all())
+                   and f"cosine:{st.name}" not in self.warned]
+        if missing:
+            self.warned.update(f"cosine:{m}" for m in missing)
+            warnings.warn(f"gradscope: no cosine rows for stack(s) {missing} in step {step}: not every layer output "
+                          "was seen with the stack's feature width (outputs that change width, as a convolutional "
+                          "feature encoder's, or a layer that was not called)", stacklevel=5)
+        if not self.layout.stacks:
+            self.warn_once("cosine", "no cosine rows: the model has no layer stack (an nn.ModuleList of two or more "
+                           "blocks of one class; x-transformers alternates attention and feed-forward blocks), "
+                           "or sites= left out its outputs", stacklevel=6)

@@ -1,0 +1,103 @@
+"""What a quantity sees at the end of a recorded step: :class:`StepContext`.
+
+A quantity's :meth:`~gradscope.recorder.quantity.Quantity.collect` gets one, after the
+step's backward and before its one host transfer. It offers the model, its parameter
+groups and gradients, the optimizer, the built-in captures, a way to add values under row
+keys, and once-only warnings; never the Recorder itself.
+"""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from gradscope.recorder.layout import Layout
+from gradscope.recorder.params import ParamGroups
+from gradscope.recorder.store import StepBuffer
+from gradscope.table.keys import Key, model_key
+
+if TYPE_CHECKING:
+    from gradscope.recorder.capture import Capture
+
+
+@dataclass
+class StepContext:
+    """The end of one recorded step, as a quantity's ``collect`` sees it.
+
+    Attributes:
+        step: the step's index.
+        model: the recorded model (unwrapped from DDP / ``torch.compile``).
+        layout: its sites, norms, stacks and parameter groups.
+        groups: the parameter groups of ``param_grad_norm``: ``groups.params``,
+            ``groups.grads()``, ``groups.keys(quantity)``, ``groups.group_norms(...)``.
+        optimizer: the optimizer given to the Recorder, or None.
+        lr_from_optimizer: whether ``lr`` is read from ``optimizer`` (it was given to the
+            constructor, not attached by a training loop that logs ``lr`` itself).
+        device: the device of the model's first parameter.
+    """
+
+    step: int
+    model: nn.Module
+    layout: Layout
+    groups: ParamGroups
+    optimizer: torch.optim.Optimizer | None
+    lr_from_optimizer: bool
+    device: torch.device
+    capture: Capture = field(repr=False)
+    buffer: StepBuffer = field(repr=False)
+    warned: set[str] = field(repr=False)
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    # -- adding values ---------------------------------------------------------------------------
+    def add(self, key: Key, value: torch.Tensor | float) -> None:
+        """One value (a 0-d tensor, kept on its device, or a float) under ``key``."""
+        if isinstance(value, torch.Tensor):
+            self.buffer.add(key, value.detach().float().reshape(()))
+        else:
+            self.buffer.add_float(key, value)
+
+    def add_model_value(self, quantity: str, value: torch.Tensor | float) -> None:
+        """One model-level value (no stack, layer or site), as ``loss`` or ``lr`` have."""
+        self.add(model_key(quantity), value)
+
+    def add_many(self, keys: list[Key], values: torch.Tensor) -> None:
+        """A 1-d tensor of values, one per key."""
+        self.buffer.add_many(keys, values)
+
+    def add_matrix(self, stack: str, site: str, quantity: str, matrix: torch.Tensor) -> None:
+        """A matrix: row i, column j become rows with ``layer=i``, ``layer_j=j``."""
+        self.buffer.add_matrix(-1, stack, site, quantity, matrix)
+
+    def add_block(self, name: str, values: torch.Tensor) -> None:
+        """A raw array that travels with the step's values (its quantity's ``rows`` reads it
+        from ``data.blocks[name]``)."""
+        self.buffer.add_block(name, values)
+
+    # -- what is there to read ---------------------------------------------------------------
+    def group_grad_norms(self) -> torch.Tensor | None:
+        """‖grad‖ per parameter group (``groups.keys(...)`` order), computed once per step;
+        None when no parameter has a gradient."""
+        if "group_grad_norms" not in self._cache:
+            self._cache["group_grad_norms"] = self.groups.group_norms(self.groups.grads())
+        return self._cache["group_grad_norms"]
+
+    @property
+    def signals(self):
+        """The forward signals' capture (attention, sub-layer RMS, output logits):
+        :class:`gradscope.recorder.signals.Signals`."""
+        return self.capture.signals
+
+    def cosine_matrices(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        """Stack -> (cosine matrix, which layers were written) of the sampled layer outputs."""
+        return self.capture.cosine.matrices()
+
+    # -- telling the user ---------------------------------------------------------------------
+    def warn_once(self, topic: str, message: str) -> None:
+        """Warns with ``message`` the first time ``topic`` comes up for this Recorder."""
+        if topic not in self.warned:
+            self.warned.add(topic)
+            warnings.warn(f"gradscope: {message}", stacklevel=6)

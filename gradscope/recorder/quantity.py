@@ -1,0 +1,182 @@
+"""The Quantity contract: everything about one quantity in its class.
+
+A quantity says what it captures, when it is taken, how its values become table rows, how
+ranks combine them, whether ``spike`` watches it, and what it is in one line. The built-in
+quantities (:mod:`gradscope.recorder.quantities`) and a user's own are the same kind of
+object; the Recorder takes instances::
+
+    class MaxAbs(gradscope.Quantity):
+        name = "act_max_abs"
+        description = "max |h| over the tensor crossing a site"
+        over_micro_steps = across_ranks = "max"
+
+        def site_value(self, h):
+            return h.abs().amax().float()
+
+    rec = gradscope.Recorder(model, quantities=["act_grad_norm", MaxAbs()])
+
+There are three ways to take values, and a quantity uses any of them:
+
+- per site, in the graph: :meth:`Quantity.site_value` (a 0-d statistic of the tensor
+  crossing each site in the forward) and :meth:`Quantity.site_grad` (of the gradient
+  ∂loss/∂h at each site in the backward). They run inside the model's forward and
+  backward, eagerly or traced by ``torch.compile`` (write them with traceable tensor ops,
+  no ``.item()``), once per micro-step; the rows come from :meth:`Quantity.rows`' default;
+- at the end of the step, on the device: :meth:`Quantity.collect` with a
+  :class:`~gradscope.recorder.context.StepContext` (parameters, gradients, optimizer, the
+  built-in captures), adding 0-d tensors under row keys;
+- from the built-in captures (``captures``), as the built-in quantities do.
+
+Values reach the host once per recorded step, for every quantity together.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, ClassVar
+
+import numpy as np
+import torch
+
+from gradscope.table.keys import Key
+
+if TYPE_CHECKING:  # type hints only
+    from gradscope.recorder.context import StepContext
+    from gradscope.recorder.step_data import StepData
+
+Row = tuple[Key, float]
+
+CAPTURES: tuple[str, ...] = ("value", "grad", "wsig", "cosine", "attention", "rms", "logits")
+"""The built-in in-graph captures a quantity may name in ``captures``: a site's forward
+norm, the sites' gradient norms, norms' w/σ, sampled layer outputs, attention logits,
+sub-layer RMS, output logits (:mod:`gradscope.recorder.capture`)."""
+
+COMBINE: tuple[str, ...] = ("max", "min", "sum", "mean", "rss", "rms")
+"""How several values of one point combine (micro-steps into the step's row, ranks into
+rank -1): largest, smallest, sum, mean, root of the sum of squares (a norm over the
+concatenated tensors), root of the mean of squares."""
+
+RANK_RULES: tuple[str, ...] = (*COMBINE, "gradient_norm", "loss", "shared", "local")
+"""How :func:`gradscope.distributed.global_rows` combines a quantity over ranks:
+:data:`COMBINE`, or ``gradient_norm`` (rss, divided by the number of ranks for a
+mean-reduced loss), ``loss`` (mean or sum as the loss was reduced), ``shared`` (every rank
+holds the global value: the lowest rank's is copied), ``local`` (not combined: a ratio or
+a sampled statistic)."""
+
+
+class Quantity:
+    """Base class of every quantity, built-in or written by a user.
+
+    Class attributes (override them in a subclass):
+        name: the ``quantity`` column of its rows (lower case, unique).
+        description: one line, shown in the quantity reference.
+        paper: where it comes from (author year, figure or equation), or ``""``.
+        captures: built-in in-graph captures it reads (:data:`CAPTURES`).
+        slow: taken only every ``slow_every`` recorded steps (costly or slowly changing).
+        needs_backward: reads gradients; a step whose backward did not run inside it gets
+            no rows of it (and a warning).
+        across_ranks: how ranks combine it (:data:`RANK_RULES`).
+        spike_watched: whether the ``spike`` quantity watches its per-step series.
+        over_micro_steps: how a per-site statistic's micro-steps combine into the step's
+            row (:data:`COMBINE`).
+        also_names: other ``quantity`` values its rows carry (``nonfinite`` writes
+            ``nonfinite_grad`` rows too).
+        logged: its values come from ``rec.log(name, value)`` in the training loop.
+    """
+
+    name: ClassVar[str] = ""
+    description: ClassVar[str] = ""
+    paper: ClassVar[str] = ""
+    captures: ClassVar[frozenset[str]] = frozenset()
+    slow: ClassVar[bool] = False
+    needs_backward: ClassVar[bool] = False
+    across_ranks: ClassVar[str] = "local"
+    spike_watched: ClassVar[bool] = False
+    over_micro_steps: ClassVar[str] = "rss"
+    also_names: ClassVar[tuple[str, ...]] = ()
+    logged: ClassVar[bool] = False
+
+    # -- per site, inside the graph --------------------------------------------------------
+    def site_value(self, h: torch.Tensor) -> torch.Tensor | None:
+        """A 0-d statistic of the tensor ``h`` crossing a site in the forward (detached),
+        or None (the default) when the quantity takes none. Traceable ops only."""
+        return None
+
+    def site_grad(self, grad: torch.Tensor) -> torch.Tensor | None:
+        """A 0-d statistic of ∂loss/∂h at a site, taken in the backward, or None (the
+        default). Traceable ops only. At the input of a norm it is the gradient through
+        that norm alone, as for ``act_grad_norm``."""
+        return None
+
+    # -- at the end of the step ----------------------------------------------------------------
+    def collect(self, ctx: StepContext) -> None:
+        """Device work at the end of a recorded step, after backward: add values with
+        ``ctx.add(key, tensor)`` and friends (:class:`~gradscope.recorder.context.StepContext`)."""
+
+    def rows(self, data: StepData) -> list[Row]:
+        """The step's table rows, from the values on the host.
+
+        The default gives what :meth:`collect` added, and one row per site and call for
+        :meth:`site_value` / :meth:`site_grad` (per micro-step too when there were several,
+        and the step's row combined by ``over_micro_steps``).
+        """
+        rows = list(data.device.get(self.name, []))
+        if self.takes_site_values:
+            rows += data.site_rows(self.name, data.user_values[self.name], data.value_called, self.over_micro_steps)
+        if self.takes_site_grads:
+            rows += data.site_rows(self.name, data.user_grads[self.name], data.got, self.over_micro_steps)
+        return rows
+
+    # -- what the Recorder asks --------------------------------------------------------------
+    @property
+    def takes_site_values(self) -> bool:
+        """Whether the subclass defines :meth:`site_value`."""
+        return type(self).site_value is not Quantity.site_value
+
+    @property
+    def takes_site_grads(self) -> bool:
+        """Whether the subclass defines :meth:`site_grad`."""
+        return type(self).site_grad is not Quantity.site_grad
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every ``quantity`` value its rows may carry."""
+        return (self.name, *self.also_names)
+
+    def check(self) -> None:
+        """Raises ValueError naming the attribute that breaks the contract."""
+        kind = type(self).__name__
+        if not isinstance(self.name, str) or not self.name or self.name != self.name.strip():
+            raise ValueError(f"{kind}.name: a non-empty string without spaces at the ends, got {self.name!r}")
+        bad = sorted(set(self.captures) - set(CAPTURES))
+        if bad:
+            raise ValueError(f"{kind}.captures: unknown {bad}; valid: {list(CAPTURES)}")
+        if self.across_ranks not in RANK_RULES:
+            raise ValueError(f"{kind}.across_ranks: {self.across_ranks!r}; valid: {list(RANK_RULES)}")
+        if self.over_micro_steps not in COMBINE:
+            raise ValueError(f"{kind}.over_micro_steps: {self.over_micro_steps!r}; valid: {list(COMBINE)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+def combine(values: np.ndarray, how: str, axis: int = 0) -> np.ndarray:
+    """Combines values along ``axis`` by ``how`` (:data:`COMBINE`); NaN stays NaN."""
+    if how == "max":
+        return values.max(axis=axis)
+    if how == "min":
+        return values.min(axis=axis)
+    if how == "sum":
+        return values.sum(axis=axis)
+    if how == "mean":
+        return values.mean(axis=axis)
+    if how == "rss":
+        return np.sqrt(np.square(values).sum(axis=axis))
+    if how == "rms":
+        return np.sqrt(np.square(values).mean(axis=axis))
+    raise ValueError(f"combine: {how!r}; valid: {list(COMBINE)}")
+
+
+def ratio(a: float, b: float) -> float:
+    """a / b, with 0/0 = NaN and a/0 = inf."""
+    return a / b if b != 0 else (math.nan if a == 0 else math.inf)

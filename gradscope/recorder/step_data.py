@@ -1,0 +1,89 @@
+"""One recorded step on the host: the captured arrays, and how per-site values become rows."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from gradscope.recorder.layout import Layout, Probe
+from gradscope.recorder.quantity import Row, combine
+from gradscope.table.keys import Key
+
+
+@dataclass
+class StepData:
+    """One recorded step on the host, after its single device→host transfer.
+
+    ``grad_sq`` (M, points·K) holds ‖∂loss/∂h‖² per micro-step and slot, already unscaled;
+    ``order`` (M, slots) the forward order of each slot's call (+ tapped, − not tapped, 0 not
+    called); ``value`` (M, slots) the forward statistic (‖h‖ for sites, w/σ for norms).
+    """
+
+    layout: Layout
+    points: list[Probe]
+    K: int
+    grad_sq: np.ndarray
+    order: np.ndarray
+    value: np.ndarray
+    device: dict[str, list[Row]] = field(default_factory=dict)  # rows computed on the device
+    blocks: dict[str, np.ndarray] = field(default_factory=dict)  # raw arrays from the device
+    unfit: set[str] = field(default_factory=set)  # norms whose output is not g·x̂ + b (adaptive norms)
+    no_backward: bool = False  # forward tapped gradients but no backward ran inside the step: no gradient rows
+    low_precision: set[str] = field(default_factory=set)  # fitted norms called on bf16/fp16 tensors (also in unfit)
+    user_values: dict[str, np.ndarray] = field(default_factory=dict)  # quantity -> (M, taps) of its site_value
+    user_grads: dict[str, np.ndarray] = field(default_factory=dict)  # quantity -> (M, taps) of its site_grad
+
+    @property
+    def micro_steps(self) -> int:
+        return self.grad_sq.shape[0]
+
+    def micro(self, m: int) -> int:
+        """The micro_step column for micro-step m (-1 when the step had only one)."""
+        return m if self.micro_steps > 1 else -1
+
+    @cached_property
+    def got(self) -> np.ndarray:
+        """(M, taps) bool: micro-steps in which a slot's value was tapped or its gradient
+        arrived (under reentrant checkpointing the tap is in the recompute)."""
+        return (self.order[:, : self.grad_sq.shape[1]] > 0) | (self.grad_sq != 0)
+
+    @cached_property
+    def _sites(self) -> list[tuple[Probe, int, int, str]]:
+        seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | (self.grad_sq != 0).any(axis=0)
+        out = []
+        for slot in np.flatnonzero(seen).tolist():
+            i, c = divmod(slot, self.K)
+            p = self.points[i]
+            out.append((p, c, slot, call_name(p.name, c)))
+        return out
+
+    def slot_sites(self) -> list[tuple[Probe, int, int, str]]:
+        """(point, call, slot, site name) of every (site, call) slot called in the step."""
+        return self._sites
+
+    @cached_property
+    def value_called(self) -> np.ndarray:
+        """(M, taps) bool: micro-steps in which a slot's forward value was seen."""
+        return self.order[:, : self.grad_sq.shape[1]] != 0
+
+    def site_rows(self, quantity: str, values: np.ndarray, seen: np.ndarray, how: str) -> list[Row]:
+        """Rows of a per-site statistic: ``values`` (M, taps) where ``seen`` (M, taps), per
+        micro-step when the step had several, and the step's row combined by ``how``
+        (:data:`~gradscope.recorder.quantity.COMBINE`)."""
+        out = []
+        for p, _, slot, site in self.slot_sites():
+            got = seen[:, slot]
+            if not got.any():
+                continue
+            if self.micro_steps > 1:
+                out += [(Key(m, p.stack, p.layer, site, quantity, None, p.role), float(values[m, slot]))
+                        for m in np.flatnonzero(got).tolist()]
+            out.append((Key(-1, p.stack, p.layer, site, quantity, None, p.role), float(combine(values[got, slot], how))))
+        return out
+
+
+def call_name(name: str, call: int) -> str:
+    """Site name of the call-th (0-based) call of a module: ``name``, ``name#2``, ..."""
+    return name if call == 0 else f"{name}#{call + 1}"

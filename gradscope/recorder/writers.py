@@ -1,0 +1,101 @@
+"""The two ways a hook writes what it captured: traced by Dynamo, or run eagerly.
+
+Every hook of :class:`~gradscope.recorder.capture.Capture` asks once which writer applies
+(:meth:`Capture.writer`) and then only talks to it:
+
+- :class:`TracedWriter` (inside ``torch.compile``): every value goes into the device
+  buffers with in-place writes, and every gradient through a :class:`Tap` whose backward
+  writes into the probe's gradient, so the whole capture is part of the graph;
+- :class:`EagerWriter`: order marks stay on the host, values wait as 0-d tensors until
+  the snapshot gathers them in one write, and gradients are read by the cheapest exact
+  hook (:mod:`gradscope.recorder.eager`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from gradscope.recorder.eager import hookable
+from gradscope.recorder.sqnorm import squared_norm
+from gradscope.recorder.taps import NormTap, Tap
+
+if TYPE_CHECKING:
+    from gradscope.recorder.capture import Capture
+
+_ALIAS = torch.ops.aten.alias.default  # a new autograd node that hands the gradient on unchanged
+
+
+class TracedWriter:
+    """Writes of a hook traced by Dynamo: all on the device, inside the graph."""
+
+    traced = True
+
+    def __init__(self, capture: Capture) -> None:
+        self.capture = capture
+
+    def call(self, i: int) -> tuple[int, bool]:
+        """(call slot, inside a recompute) of counter ``i``: traced, never a recompute."""
+        return self.capture.next_call(i), False
+
+    def mark(self, slot: int, order: float) -> None:
+        self.capture.fwd[slot, 0] = order
+
+    def put(self, slot: int, channel: int, value: torch.Tensor) -> None:
+        self.capture.fwd[slot, channel] = value
+
+    def value(self, slot: int, t: torch.Tensor) -> None:
+        """‖t‖ into the value channel."""
+        self.capture.fwd[slot, 1] = squared_norm(t).sqrt()
+
+    def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor:
+        """The tapped value whose backward writes ‖grad‖² (and user statistics) into the probe."""
+        c = self.capture
+        return c.passed_on(t, Tap.apply(t, c.probe, slot, None, c.grad_stats_now))
+
+    def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
+        c = self.capture
+        return NormTap.apply(y, x, c.probe, slot, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
+
+
+class EagerWriter(TracedWriter):
+    """Writes of a hook run eagerly: host marks, pending values, node hooks where exact."""
+
+    traced = False
+
+    def call(self, i: int) -> tuple[int, bool]:
+        c = self.capture
+        if torch._C._current_autograd_node() is not None:  # activation checkpointing recomputes
+            return c.next_recall(i), True
+        return c.next_call(i), False
+
+    def mark(self, slot: int, order: float) -> None:
+        self.capture.marks[slot] = order
+
+    def put(self, slot: int, channel: int, value: torch.Tensor) -> None:
+        self.capture.pending_fwd.append((slot, channel, value))
+
+    def value(self, slot: int, t: torch.Tensor) -> None:
+        """‖t‖² waits for the snapshot (one square root for all); a site that receives the
+        very tensor (same version) the last site passed on reuses it (a layer's ``out`` is
+        the next layer's ``in``)."""
+        c = self.capture
+        c.pending_sq.append((slot, c.value_sq(t)))
+
+    def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor | None:
+        """A node hook where it reads the same gradient (None: the value is kept), else an
+        alias or the Tap (:mod:`gradscope.recorder.eager`)."""
+        c = self.capture
+        if c.hooked[i] and hookable(t, *module_args):
+            c.eager.hook(t, slot, recompute)
+            return None
+        if c.alias[i]:
+            out = _ALIAS(t)
+            c.eager.hook(out, slot, recompute)
+            return c.passed_on(t, out)
+        return c.passed_on(t, Tap.apply(t, c.probe, slot, c.eager, ()))
+
+    def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
+        c = self.capture
+        return NormTap.apply(y, x, c.probe, slot, kind, w, is_ln, eps, dims, c.eager, ())

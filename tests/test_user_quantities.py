@@ -1,0 +1,210 @@
+"""Quantities written outside the package (issue 24): a per-site max |h|, a per-site gradient
+RMS and an end-of-step parameter statistic, on a nanoGPT-style model written here, eagerly
+and under torch.compile(fullgraph=True), against autograd computed in the test.
+
+Reference: a twin of the model (same weights, never seen by a Recorder) with this test's own
+hooks. A site ``m.out`` is module m's output y, with gradient y.grad; a site ``m.in`` is
+m's input x, with the gradient through m alone, ``autograd.grad(y, x, y.grad)``.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gradscope
+from gradscope.distributed import global_rows
+
+
+class MaxAbs(gradscope.Quantity):
+    name = "act_max_abs"
+    description = "max |h| over the tensor crossing a site"
+    over_micro_steps = across_ranks = "max"
+
+    def site_value(self, h):
+        return h.abs().amax()
+
+
+class GradRms(gradscope.Quantity):
+    name = "act_grad_rms"
+    description = "root mean square of ∂loss/∂h at a site"
+    over_micro_steps = across_ranks = "rms"
+    needs_backward = True
+
+    def site_grad(self, grad):
+        return grad.float().square().mean().sqrt()
+
+
+class ParamGradMax(gradscope.Quantity):
+    name = "param_grad_max"
+    description = "largest |p.grad| over the model"
+    needs_backward = True
+
+    def collect(self, ctx):
+        grads = [p.grad.abs().amax() for p in ctx.groups.params if p.grad is not None]
+        if grads:
+            ctx.add_model_value(self.name, torch.stack(grads).amax())
+
+
+class RMSNorm(nn.Module):  # written by hand, as many research repos do (a fitted norm for the recorder)
+    def __init__(self, d: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(1 + 0.1 * torch.randn(d)), eps
+
+    def forward(self, x):
+        return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, rms: bool) -> None:
+        super().__init__()
+        self.ln_1 = RMSNorm(d) if rms else nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.ln_2 = RMSNorm(d) if rms else nn.LayerNorm(d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x):
+        B, T, D = x.shape
+        q, k, v = self.qkv(self.ln_1(x)).view(B, T, 3, 2, D // 2).unbind(2)
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPT(nn.Module):
+    def __init__(self, vocab: int = 32, d: int = 16, n: int = 3) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, d)
+        self.h = nn.ModuleList([Block(d, i % 2 == 1) for i in range(n)])
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx)
+        for block in self.h:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def _loss(model, idx):
+    logits = model(idx)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+
+
+def _reference(model: nn.Module, batches: list[torch.Tensor], sites: list[str]) -> pd.DataFrame:
+    """Per micro-batch and site: max |h| and the gradient RMS, with this test's own hooks."""
+    modules = dict(model.named_modules())
+    rows = []
+    for m, idx in enumerate(batches):
+        seen: dict[str, tuple] = {}
+
+        def hook(module, args, output, name):
+            output.retain_grad()
+            seen[name] = (args[0], output)
+
+        handles = [modules[s.rsplit(".", 1)[0]].register_forward_hook(lambda mod, a, o, n=s.rsplit(".", 1)[0]: hook(mod, a, o, n))
+                   for s in sites if s.endswith(".out")]
+        _loss(model, idx).backward(retain_graph=True)
+        for h in handles:
+            h.remove()
+        out_grads = {name: y.grad.clone() for name, (_, y) in seen.items()}  # autograd.grad below adds to retained grads
+        for site in sites:
+            name, end = site.rsplit(".", 1)
+            x, y = seen[name]
+            h = y if end == "out" else x
+            g = out_grads[name] if end == "out" else torch.autograd.grad(y, x, out_grads[name], retain_graph=True)[0]
+            rows.append(dict(micro_step=m, site=site, act_max_abs=h.detach().abs().amax().item(),
+                             act_grad_rms=g.double().square().mean().sqrt().item()))
+    return pd.DataFrame(rows)
+
+
+def _recorded(model: nn.Module, batches: list[torch.Tensor], compiled: bool) -> pd.DataFrame:
+    quantities = ["act_grad_norm", MaxAbs(), GradRms(), ParamGradMax()]
+    rec = gradscope.Recorder(model, quantities=quantities)
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    with rec.step(0):
+        for idx in batches:
+            _loss(run, idx).backward()
+    rec.close()
+    return rec.frame()
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_user_quantities_agree_with_autograd(compiled):
+    torch.manual_seed(0)
+    model = NanoGPT()
+    twin = copy.deepcopy(model)
+    batches = [torch.randint(0, 32, (2, 7)) for _ in range(2)]
+    df = _recorded(model, batches, compiled)
+    sites = gradscope.site_names(twin)
+    ref = _reference(twin, batches, sites)
+    # eager: the same op on the same tensor; compiled: Inductor's fused reductions, and the gradient
+    # at a hand-written RMSNorm's input is its closed form (gradscope.recorder.norm_stats)
+    tol = 1e-5 if compiled else 2e-6
+    for quantity, how in (("act_max_abs", "max"), ("act_grad_rms", "rms")):
+        got = df[df.quantity == quantity]
+        assert set(got.site) == set(sites), f"{quantity}: sites {set(sites) - set(got.site)} have no rows"
+        for m in range(len(batches)):
+            mine = got[got.micro_step == m].set_index("site").value
+            theirs = ref[ref.micro_step == m].set_index("site")[quantity]
+            rel = ((mine - theirs[mine.index]).abs() / theirs[mine.index].abs()).max()
+            assert rel <= tol, f"{quantity} micro-step {m}: {rel:.2e}"
+        step = got[got.micro_step == -1].set_index("site").value
+        per_micro = ref.pivot(index="site", columns="micro_step", values=quantity)
+        expect = per_micro.max(axis=1) if how == "max" else np.sqrt((per_micro ** 2).mean(axis=1))
+        rel = ((step - expect[step.index]).abs() / expect[step.index]).max()
+        assert rel <= tol, f"{quantity} step row: {rel:.2e}"
+    # an end-of-step quantity: the largest |p.grad| after both micro-batches
+    expect = max(p.grad.abs().max().item() for p in twin.parameters() if p.grad is not None)
+    got = df[df.quantity == "param_grad_max"].value
+    assert len(got) == 1 and got.iloc[0] == pytest.approx(expect, rel=tol)  # compiled: Inductor's gradients, not eager's bits
+
+
+def test_a_user_quantity_is_validated_and_named_in_the_error():
+    class NoName(gradscope.Quantity):
+        def site_value(self, h):
+            return h.sum()
+
+    class BadRule(MaxAbs):
+        across_ranks = "median"
+
+    model = NanoGPT()
+    with pytest.raises(ValueError, match="NoName.name"):
+        gradscope.Recorder(model, quantities=[NoName()])
+    with pytest.raises(ValueError, match=r"BadRule.across_ranks: 'median'; valid: \['max'"):
+        gradscope.Recorder(model, quantities=[BadRule()])
+    with pytest.raises(ValueError, match="two quantities named 'act_max_abs'"):
+        gradscope.Recorder(model, quantities=[MaxAbs(), MaxAbs()])
+    with pytest.raises(ValueError, match="'nonfinite_grad' rows come with 'nonfinite'"):
+        gradscope.Recorder(model, quantities=["nonfinite_grad"])
+    with pytest.raises(TypeError, match=r"moved into options: Recorder\(model, options=gradscope.RecorderOptions\(max_calls=4\)\)"):
+        gradscope.Recorder(model, max_calls=4)
+
+
+def test_a_step_without_backward_gives_no_user_gradient_rows():
+    model = NanoGPT()
+    rec = gradscope.Recorder(model, quantities=[MaxAbs(), GradRms()])
+    idx = torch.randint(0, 32, (2, 7))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rec.step(0):
+            loss = _loss(model, idx)
+        loss.backward()
+    rec.close()
+    df = rec.frame()
+    assert "act_grad_rms" not in set(df.quantity) and "act_max_abs" in set(df.quantity)
+    assert any("no backward ran inside it" in str(w.message) for w in caught)
+
+
+def test_ranks_combine_a_user_quantity_by_its_rule():
+    rows = [dict(run="r", variant="v", step=0, rank=r, site="h.0.out", quantity=q.name, value=v)
+            for r, v in ((0, 1.0), (1, 3.0)) for q in (MaxAbs(), GradRms())]
+    out = global_rows(gradscope.table.make_frame(rows), extra=(MaxAbs(), GradRms())).set_index("quantity").value
+    assert out["act_max_abs"] == 3.0
+    assert out["act_grad_rms"] == pytest.approx(np.sqrt((1.0 + 9.0) / 2))
