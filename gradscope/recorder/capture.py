@@ -4,8 +4,8 @@ Hooks are installed once, when the Recorder is made, and removed by ``close()``;
 that is not recorded each hook returns at once. On a recorded step:
 
 - a site's value passes through :class:`Tap`, an identity ``autograd.Function`` whose
-  backward also returns ‖grad‖² as the gradient of a small *probe* leaf vector, one slot
-  per (site, call). Autograd sums those into ``probe.grad``, so every activation-gradient
+  backward also returns ‖grad‖² as the gradient of a small *collector* leaf vector, one slot
+  per (site, call). Autograd sums those into ``collector.grad``, so every activation-gradient
   norm of a backward arrives in one vector, with no Python hook in the backward and no
   host sync. The tap's output is a detached alias of its input (same storage, same version
   counter), so an in-place op after a site behaves exactly as without the recorder;
@@ -15,7 +15,7 @@ that is not recorded each hook returns at once. On a recorded step:
   gradient is the one through that module alone;
 - forward statistics (the site's ‖h‖, a norm's w/σ, sampled rows for ``cosine``) are
   written in place into device buffers;
-- when ``probe.grad`` is accumulated (the end of each backward) one hook copies it and the
+- when ``collector.grad`` is accumulated (the end of each backward) one hook copies it and the
   forward buffer aside: one snapshot per micro-step.
 
 Everything a hook does is traceable by Dynamo, so ``torch.compile(model, fullgraph=True)``
@@ -58,7 +58,7 @@ class Capture:
         token_masks: callable (args, kwargs) -> {stack: (B, T) bool} for ``cosine`` weights.
         value_stats: user statistics of a site's forward value (quantities' ``site_value``):
             forward-buffer channel ``FWD + k``.
-        grad_stats: user statistics of a site's gradient (``site_grad``): probe slots
+        grad_stats: user statistics of a site's gradient (``site_grad``): collector slots
             ``slot + (k + 1)·n_taps``.
     """
 
@@ -69,7 +69,7 @@ class Capture:
         self.n_taps = len(self.points) * max_calls
         self.value_stats, self.grad_stats = tuple(value_stats), tuple(grad_stats)
         self.width = FWD + len(self.value_stats)  # forward-buffer channels
-        self.n_probe = self.n_taps * (1 + len(self.grad_stats))
+        self.n_collector = self.n_taps * (1 + len(self.grad_stats))
         self.stats_now = False  # user statistics are taken in the open step
         self.grad_stats_now: tuple = ()
         self.n_slots = self.n_taps + len(layout.norms) * max_calls  # taps, then norms (w/σ)
@@ -80,7 +80,7 @@ class Capture:
         self.seq = 0
         self.backwards = 0  # backwards seen in the open recorded step
         self.device: torch.device | None = None
-        self.probe: torch.Tensor | None = None
+        self.collector: torch.Tensor | None = None
         self.fwd: torch.Tensor | None = None  # (n_slots, width): [±order (negative: not tapped), value, misfit, user...]
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor, np.ndarray]] = []
@@ -151,20 +151,24 @@ class Capture:
             h.remove()
         self.handles.clear()
         self.signals.remove()
-        self.probe = self.fwd = None
+        self.collector = self.fwd = None
 
     # -- per recorded step ----------------------------------------------------------------
-    def begin(self, device: torch.device, *, value: bool, grad: bool, wsig: bool, cosine: bool,
-              cosine_tokens: int, generator: torch.Generator, attention: bool = False, rms: bool = False,
-              logits: bool = False, stats: bool = False) -> None:
-        """Arms the hooks for one recorded step (``stats``: take the user statistics)."""
-        if self.device != device or self.probe is None:
+    def begin(self, device: torch.device, captures: set[str] | frozenset[str], *, cosine_tokens: int,
+              generator: torch.Generator, stats: bool = False) -> None:
+        """Arms the hooks for one recorded step: ``captures`` names what the step's quantities
+        capture (:data:`gradscope.recorder.quantity.CAPTURES`); ``stats``: take the user
+        statistics."""
+        value, grad, wsig, cosine = ("value" in captures, "grad" in captures, "wsig" in captures,
+                                     "cosine" in captures)
+        attention, rms, logits = "attention" in captures, "rms" in captures, "logits" in captures
+        if self.device != device or self.collector is None:
             self.device = device
-            self.probe = torch.zeros(self.n_probe, device=device, requires_grad=True)
-            self.probe.register_post_accumulate_grad_hook(lambda probe: self.snapshot())
+            self.collector = torch.zeros(self.n_collector, device=device, requires_grad=True)
+            self.collector.register_post_accumulate_grad_hook(lambda collector: self.snapshot())
             self.fwd = torch.zeros(self.n_slots, self.width, device=device)
             self.cosine.forget()
-        self.probe.grad = None
+        self.collector.grad = None
         self.fwd.zero_()
         self.marks[:] = 0
         self.discard()
@@ -194,15 +198,15 @@ class Capture:
         return snapshots, list(self.calls)
 
     def snapshot(self, backward: bool = True) -> None:
-        """Sets this micro-step's captures aside: at the end of a backward (the probe's
+        """Sets this micro-step's captures aside: at the end of a backward (the collector's
         gradient accumulated, or the eager taps' callback) and at the end of the step
         (``backward=False``). ``backwards`` counts the backwards of the open step."""
-        if self.probe is None:  # closed (a graph kept past close() ran backward again)
+        if self.collector is None:  # closed (a graph kept past close() ran backward again)
             return
         if backward and self.on:
             self.backwards += 1
-        grads = self.probe.grad if self.probe.grad is not None else torch.zeros(self.n_probe, device=self.device)
-        self.probe.grad = None
+        grads = self.collector.grad if self.collector.grad is not None else torch.zeros(self.n_collector, device=self.device)
+        self.collector.grad = None
         pending = self.eager.pending
         if pending:
             idx = torch.tensor([s for s, _ in pending], device=self.device)

@@ -1,7 +1,7 @@
 """Activation-gradient norms when the model runs eagerly (not traced by Dynamo).
 
 Traced, every tap is a :class:`~gradscope.recorder.taps.Tap` whose backward writes ‖grad‖²
-into the probe's gradient, inside the graph. Eagerly, the same numbers are taken more
+into the collector's gradient, inside the graph. Eagerly, the same numbers are taken more
 cheaply:
 
 - a module's output that the module made itself (no input passed through, no leaf, no
@@ -56,7 +56,7 @@ class EagerGrads:
     Args:
         on_backward_end: called once at the end of each backward that delivered a norm.
         is_on: whether a recorded step is open.
-        taps: the probe's slots per channel (user statistic k goes to ``slot + k·taps``).
+        taps: the collector's slots per channel (user statistic k goes to ``slot + k·taps``).
     """
 
     def __init__(self, on_backward_end: Callable[[], None], is_on: Callable[[], bool], taps: int = 0) -> None:

@@ -17,20 +17,20 @@ MISFIT = 1e-4  # a fitted norm whose residual exceeds this share of Var(y) is no
 SCALE = "__scale__"
 
 
-def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_probe: int, width: int = FWD
+def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_collector: int, width: int = FWD
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Splits the captured snapshots into micro-steps: the probe's gradient (M, n_probe:
+    """Splits the captured snapshots into micro-steps: the collector's gradient (M, n_collector:
     ‖grad‖² per tap, then the user statistics), order and value (M, slots), the user
     statistics' forward channels (M, slots, width − FWD), and each slot's largest norm-fit
     misfit over the step.
 
-    Each snapshot is one backward's probe gradient followed by the forward buffer (eager
+    Each snapshot is one backward's collector gradient followed by the forward buffer (eager
     calls' order marks come in ``marks``, as they are kept on the host). A
     snapshot with no forward call since the one before (the inner backward of reentrant
     checkpointing) adds its gradients to that micro-step; a last snapshot with neither is
     dropped.
     """
-    grads, fwd = snapshots[:, :n_probe], snapshots[:, n_probe:].reshape(len(snapshots), -1, width).copy()
+    grads, fwd = snapshots[:, :n_collector], snapshots[:, n_collector:].reshape(len(snapshots), -1, width).copy()
     fwd[:, :, 0] += marks  # eager calls keep their order marks on the host, compiled ones on the device
     keep_g, keep_f, misfit = [], [], fwd[:, :, 2].max(axis=0)
     for g, f in zip(grads, fwd):
@@ -43,7 +43,7 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_probe: int, width: i
         keep_f.append(f)
     if not keep_g:
         n = fwd.shape[1]
-        return np.zeros((0, n_probe)), np.zeros((0, n)), np.zeros((0, n)), np.zeros((0, n, width - FWD)), misfit
+        return np.zeros((0, n_collector)), np.zeros((0, n)), np.zeros((0, n)), np.zeros((0, n, width - FWD)), misfit
     f = np.stack(keep_f)
     return np.stack(keep_g), f[:, :, 0], f[:, :, 1], f[:, :, FWD:], misfit
 
@@ -72,9 +72,9 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
             v = v / scale
         device.setdefault(k.quantity, []).append((k, float(v)))
     n_taps = len(points) * K
-    probe, order, value, user_fwd, misfit = micro_steps(blocks["snapshots"], blocks["marks"],
+    collector, order, value, user_fwd, misfit = micro_steps(blocks["snapshots"], blocks["marks"],
                                                         n_taps * (1 + len(grad_stats)), width)
-    grad_sq = probe[:, :n_taps]
+    grad_sq = collector[:, :n_taps]
     no_backward = backwards == 0 and bool((order > 0).any())
     if no_backward:
         gradients = {name for name, q in quantities.items() if q.needs_backward or name in grad_stats}
@@ -91,7 +91,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     if scale is not None:
         grad_sq = grad_sq / (scale * scale)
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
-    user_grads = {name: probe[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
+    user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
     data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit, no_backward, low, user_values, user_grads)
     rows: list = []
     for name, quantity in quantities.items():

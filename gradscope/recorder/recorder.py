@@ -45,6 +45,7 @@ from gradscope.recorder.params import ParamGroups
 from gradscope.recorder.quantities import resolve_quantities
 from gradscope.recorder.spike import SpikeDetector
 from gradscope.recorder.store import StepBuffer
+from gradscope.recorder.update_ratio import UpdateRatioHooks
 from gradscope.recorder.wrappers import HookGuards, dist_rank, no_autocast, unwrap
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table.keys import model_key
@@ -142,9 +143,7 @@ class Recorder:
         self._buffer: StepBuffer | None = None
         self._step: int | None = None
         self._recording = False
-        self._pending_update: int | None = None
-        self._before_update: list[torch.Tensor] | None = None
-        self._opt_handles = []
+        self._updates = UpdateRatioHooks(self.groups, self._out.append)
         self._closed = False
         self._lr_from_optimizer = optimizer is not None
         if optimizer is not None:
@@ -158,15 +157,10 @@ class Recorder:
         A training loop that builds its own optimizer calls this; ``lr`` is then left to the
         loop's own ``log("lr", ...)`` unless the optimizer was given to the constructor.
         """
-        for h in self._opt_handles:
-            h.remove()
         self.optimizer = optimizer
-        self._opt_handles = []
+        self._updates.remove()
         if "update_ratio" in self.quantities:
-            self._opt_handles = [
-                optimizer.register_step_pre_hook(self._before_optimizer_step),
-                optimizer.register_step_post_hook(self._after_optimizer_step),
-            ]
+            self._updates.attach(optimizer)
 
     # -- the step context ----------------------------------------------------------------
     def records(self, step: int) -> bool:
@@ -200,10 +194,7 @@ class Recorder:
         captures = set().union(*(self._quantities[q].captures for q in self._wants))
         stats = any(n in self._wants for n in self._value_stats + self._grad_stats)
         self._buffer = StepBuffer()
-        self._capture.begin(self._device(), value="value" in captures, grad="grad" in captures,
-                            wsig="wsig" in captures, cosine="cosine" in captures,
-                            cosine_tokens=self.cosine_tokens, generator=self._generator,
-                            attention="attention" in captures, rms="rms" in captures, logits="logits" in captures,
+        self._capture.begin(self._device(), captures, cosine_tokens=self.cosine_tokens, generator=self._generator,
                             stats=stats)
         self._recording = True
         return True
@@ -275,7 +266,7 @@ class Recorder:
         self._checks.after(step, data, calls, wants)
         self._out.append(step, keys, values)
         if "update_ratio" in wants and self.optimizer is not None:
-            self._pending_update = step
+            self._updates.pending = step
 
     def _device(self) -> torch.device:
         p = next(self.model.parameters(), None)
@@ -293,24 +284,6 @@ class Recorder:
         from torch.amp.grad_scaler import OptState
 
         return any(s.get("stage") is OptState.UNSCALED for s in self.scaler._per_optimizer_states.values())
-
-    # -- update ratio around optimizer.step ------------------------------------------------
-    def _before_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._pending_update is not None:
-            self._before_update = [p.detach().clone() for p in self.groups.params]
-
-    def _after_optimizer_step(self, optimizer, args, kwargs) -> None:
-        if self._pending_update is None or self._before_update is None:
-            return
-        now = [p.detach() for p in self.groups.params]
-        if len(now) != len(self._before_update):
-            return
-        delta = self.groups.group_norms(torch._foreach_sub(now, self._before_update))
-        base = self.groups.group_norms(self._before_update)
-        ratio = (delta / base.clamp_min(torch.finfo(base.dtype).tiny)).cpu().double().numpy()
-        keys = self.groups.keys("update_ratio")
-        self._out.append(self._pending_update, keys, ratio)
-        self._pending_update, self._before_update = None, None
 
     # -- masks for cosine ----------------------------------------------------------------
     def _token_masks(self, args, kwargs) -> dict[str, torch.Tensor]:
@@ -380,9 +353,7 @@ class Recorder:
         the recorded table stays readable."""
         self._release_guards()  # once, whatever calls it first
         self._capture.remove()
-        for h in self._opt_handles:
-            h.remove()
-        self._opt_handles = []
+        self._updates.remove()
         self._closed = True
         self._out.close()
 

@@ -15,8 +15,8 @@ def in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_autograd_node() is not None
 
 
-def probe_grad(sq: torch.Tensor, grad: torch.Tensor, slot: int, size: int, stats: tuple) -> torch.Tensor:
-    """The probe's gradient from one tap: ‖grad‖² at ``slot`` and, with user statistics
+def collector_grad(sq: torch.Tensor, grad: torch.Tensor, slot: int, size: int, stats: tuple) -> torch.Tensor:
+    """The collector's gradient from one tap: ‖grad‖² at ``slot`` and, with user statistics
     (``stats``: the wanted quantities' ``site_grad``), statistic k at ``slot + k·taps``."""
     if not stats:
         return F.pad(sq.reshape(1), (slot, size - slot - 1))
@@ -28,16 +28,16 @@ def probe_grad(sq: torch.Tensor, grad: torch.Tensor, slot: int, size: int, stats
 
 class Tap(torch.autograd.Function):
     """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
-    (fp32) at ``slot`` of the probe's gradient (and the user statistics ``stats`` further
-    on: :func:`probe_grad`). Run eagerly (``eager`` given: an
+    (fp32) at ``slot`` of the collector's gradient (and the user statistics ``stats`` further
+    on: :func:`collector_grad`). Run eagerly (``eager`` given: an
     :class:`~gradscope.recorder.eager.EagerGrads`), it hands them to that instead, which
-    saves the probe's padding and summing."""
+    saves the collector's padding and summing."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, probe: torch.Tensor, slot: int, eager, stats: tuple = ()) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, collector: torch.Tensor, slot: int, eager, stats: tuple = ()) -> torch.Tensor:
         # (forward takes ctx itself: a separate setup_context makes every eager apply bind its
         # arguments through inspect.signature, which costs more than the rest of the tap)
-        ctx.slot, ctx.size, ctx.eager, ctx.stats = slot, probe.shape[0], eager, stats
+        ctx.slot, ctx.size, ctx.eager, ctx.stats = slot, collector.shape[0], eager, stats
         ctx.epoch = None if eager is None else eager.epoch
         return x.detach()  # an alias, not a view: in-place ops after the site stay legal
 
@@ -47,7 +47,7 @@ class Tap(torch.autograd.Function):
             if ctx.eager.live(ctx.epoch):
                 ctx.eager.add(ctx.slot, ctx.eager.squared_norm(grad), grad)
             return grad, None, None, None, None
-        return grad, probe_grad(dense_squared_norm(grad), grad, ctx.slot, ctx.size, ctx.stats), None, None, None
+        return grad, collector_grad(dense_squared_norm(grad), grad, ctx.slot, ctx.size, ctx.stats), None, None, None
 
 
 class NormTap(torch.autograd.Function):
@@ -55,8 +55,8 @@ class NormTap(torch.autograd.Function):
     alone, at its input; :func:`~gradscope.recorder.norm_stats.isolated_grad_sq`) at ``slot``."""
 
     @staticmethod
-    def forward(ctx, y, x, probe, slot, kind, w, is_ln, eps, dims, eager, stats=()):
-        ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.eager, ctx.size = slot, kind, eps, dims, eager, probe.shape[0]
+    def forward(ctx, y, x, collector, slot, kind, w, is_ln, eps, dims, eager, stats=()):
+        ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.eager, ctx.size = slot, kind, eps, dims, eager, collector.shape[0]
         ctx.stats, ctx.epoch = stats, None if eager is None else eager.epoch
         ctx.save_for_backward(x, w, is_ln)
         return y.detach()
@@ -72,7 +72,7 @@ class NormTap(torch.autograd.Function):
         if ctx.eager is not None:
             ctx.eager.add(ctx.slot, sq, through)
             return grad, *none
-        return grad, None, probe_grad(sq, through, ctx.slot, ctx.size, ctx.stats), *none[:8]
+        return grad, None, collector_grad(sq, through, ctx.slot, ctx.size, ctx.stats), *none[:8]
 
 
 def first_tensor(value) -> torch.Tensor | None:

@@ -5,7 +5,7 @@ Every hook of :class:`~gradscope.recorder.capture.Capture` asks once which write
 
 - :class:`TracedWriter` (inside ``torch.compile``): every value goes into the device
   buffers with in-place writes, and every gradient through a :class:`Tap` whose backward
-  writes into the probe's gradient, so the whole capture is part of the graph;
+  writes into the collector's gradient, so the whole capture is part of the graph;
 - :class:`EagerWriter`: order marks stay on the host, values wait as 0-d tensors until
   the snapshot gathers them in one write, and gradients are read by the cheapest exact
   hook (:mod:`gradscope.recorder.eager`).
@@ -50,13 +50,13 @@ class TracedWriter:
         self.capture.fwd[slot, 1] = squared_norm(t).sqrt()
 
     def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor:
-        """The tapped value whose backward writes ‖grad‖² (and user statistics) into the probe."""
+        """The tapped value whose backward writes ‖grad‖² (and user statistics) into the collector."""
         c = self.capture
-        return c.passed_on(t, Tap.apply(t, c.probe, slot, None, c.grad_stats_now))
+        return c.passed_on(t, Tap.apply(t, c.collector, slot, None, c.grad_stats_now))
 
     def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
         c = self.capture
-        return NormTap.apply(y, x, c.probe, slot, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
+        return NormTap.apply(y, x, c.collector, slot, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
 
 
 class EagerWriter(TracedWriter):
@@ -94,8 +94,8 @@ class EagerWriter(TracedWriter):
             out = _ALIAS(t)
             c.eager.hook(out, slot, recompute)
             return c.passed_on(t, out)
-        return c.passed_on(t, Tap.apply(t, c.probe, slot, c.eager, ()))
+        return c.passed_on(t, Tap.apply(t, c.collector, slot, c.eager, ()))
 
     def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
         c = self.capture
-        return NormTap.apply(y, x, c.probe, slot, kind, w, is_ln, eps, dims, c.eager, ())
+        return NormTap.apply(y, x, c.collector, slot, kind, w, is_ln, eps, dims, c.eager, ())

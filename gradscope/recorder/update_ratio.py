@@ -1,0 +1,53 @@
+"""``update_ratio``: ‖Δθ‖/‖θ‖ per parameter group, measured around ``optimizer.step()``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from gradscope.recorder.params import ParamGroups
+from gradscope.table.keys import Key
+
+
+class UpdateRatioHooks:
+    """Optimizer step hooks that measure the update of a recorded step.
+
+    Args:
+        groups: the Recorder's parameter groups.
+        emit: called with (step, keys, ratios) once the optimizer has stepped.
+    """
+
+    def __init__(self, groups: ParamGroups, emit: Callable[[int, list[Key], np.ndarray], None]) -> None:
+        self.groups, self.emit = groups, emit
+        self.pending: int | None = None  # the recorded step whose update is measured next
+        self._before: list[torch.Tensor] | None = None
+        self._handles: list = []
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hooks ``optimizer.step`` (replacing hooks on an earlier optimizer)."""
+        self.remove()
+        self._handles = [optimizer.register_step_pre_hook(self._before_step),
+                         optimizer.register_step_post_hook(self._after_step)]
+
+    def remove(self) -> None:
+        """Removes the optimizer hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        if self.pending is not None:
+            self._before = [p.detach().clone() for p in self.groups.params]
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        if self.pending is None or self._before is None:
+            return
+        now = [p.detach() for p in self.groups.params]
+        if len(now) == len(self._before):
+            delta = self.groups.group_norms(torch._foreach_sub(now, self._before))
+            base = self.groups.group_norms(self._before)
+            ratio = (delta / base.clamp_min(torch.finfo(base.dtype).tiny)).cpu().double().numpy()
+            self.emit(self.pending, self.groups.keys("update_ratio"), ratio)
+        self.pending, self._before = None, None
