@@ -57,7 +57,9 @@ def test_old_table_gets_the_recorders_roles(make, tmp_path):
     loaded = gradscope.load(tmp_path / "old.parquet")
     assert list(loaded.columns) == list(COLUMNS)
     both = loaded[["quantity", "site", "role"]].assign(recorded=df["role"])
-    mismatch = both.loc[both["role"] != both["recorded"]].drop_duplicates()
+    # a foreign model's final norm: its sites' names do not tell it, so an old table reads norm_in/norm_out
+    told = both["recorded"].str.replace("final_norm_", "norm_") if df["variant"].iloc[0] not in gradscope.VARIANTS else both["recorded"]
+    mismatch = both.loc[both["role"] != told].drop_duplicates()
     assert mismatch.empty, mismatch.head(10)
 
 

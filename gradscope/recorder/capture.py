@@ -38,13 +38,12 @@ from gradscope.models.sites import Site
 from gradscope.recorder.cosine_rows import CosineRows
 from gradscope.recorder.eager import EagerGrads
 from gradscope.recorder.layout import Layout
-from gradscope.recorder.norm_stats import fit_norm, norm_gain, norm_kind, w_over_sigma
+from gradscope.recorder.norm_stats import LOW_PRECISION, fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
 from gradscope.recorder.sqnorm import Reused
 from gradscope.recorder.taps import first_tensor, main_input, replace_first
 from gradscope.recorder.writers import EagerWriter, TracedWriter
 
-LOW_PRECISION = 1e6  # misfit mark of a fitted norm called on bf16/fp16 tensors (finish.py leaves its rows out)
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm; then user statistics
 
 
@@ -118,7 +117,7 @@ class Capture:
         self.alias = [(o and self._alias_ok) or (p.name in fused and (self._alias_ok if p.where == "output" else p.name in plain_ln))
                        for o, p in zip(outputs, self.points)]
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
-        self._grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
+        self.grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self.handles: list = []
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
 
@@ -225,8 +224,7 @@ class Capture:
         self.pending_fwd.clear()
         self.pending_sq.clear()
         self.eager.reset_backward()
-        self.value_sq.clear()
-        self.recalls = [0] * len(self.recalls)
+        self.value_sq.clear()  # (recompute counts run on: reentrant checkpointing's inner backwards end here too)
 
     def writer(self) -> EagerWriter | TracedWriter:
         """How the calling hook writes: traced by Dynamo, or eagerly (asked once per hook call)."""
@@ -265,7 +263,7 @@ class Capture:
         grad = self.want_grad and t.requires_grad and torch.is_grad_enabled()
         if not recompute:
             self.seq += 1
-            w.mark(slot, self.seq if grad and self._grad_expected[i] else -self.seq)
+            w.mark(slot, self.seq if grad and self.grad_expected[i] else -self.seq)
             if self.want_value:
                 w.value(slot, t)
             if self.stats_now:
@@ -328,9 +326,12 @@ class Capture:
             wsig = self.want_wsig and not recompute
             fit = fit_norm(module, x, y) if kind == "fit" and (grad or wsig) else None  # one fit serves both
             slot = self.n_taps + j * self.K + c
-            if fit is not None and not recompute:  # a fit read from bf16/fp16 tensors is not exact: flagged, no rows
-                exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
+            # a closed form read from bf16/fp16 tensors is not exact (up to 5e-3 off): flagged, no rows
+            exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
+            if fit is not None and not recompute:
                 w.put(slot, 2, fit.misfit if exact else fit.misfit.new_full((), LOW_PRECISION))
+            elif not exact and kind not in (None, "ln") and (grad or wsig) and not recompute:
+                w.put(slot, 2, x.new_full((), LOW_PRECISION, dtype=torch.float32))
             if wsig:
                 value = w_over_sigma(module, x, y, fit)
                 if value is not None:

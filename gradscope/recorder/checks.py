@@ -34,8 +34,10 @@ class StepChecks:
         max_calls: slots per site (the capture's K).
     """
 
-    def __init__(self, model: nn.Module, layout: Layout, points: list[Probe], max_calls: int) -> None:
+    def __init__(self, model: nn.Module, layout: Layout, points: list[Probe], max_calls: int,
+                 grad_expected: list[bool] | None = None) -> None:
         self.model, self.layout, self.points, self.K = model, layout, points, max_calls
+        self.grad_expected = grad_expected or [True] * len(points)  # per point: its gradient is read when it has one
         self.warned: set[str] = set()
         self.ever_seen = False  # any hook fired in a recorded step
         self.last_recorded: int | None = None  # the highest step recorded so far
@@ -56,21 +58,23 @@ class StepChecks:
                            "table holds a step twice (rec.frame() keeps both; gradscope.load(log_dir) keeps the last "
                            "write of each step). Pass the global step to rec.step(). Not reported again.", stacklevel=6)
         self.last_recorded = step if last is None else max(step, last)
-        if not self.ever_seen:
-            self._grad_versions = grad_versions(self.model)
+        self._grad_versions = grad_versions(self.model)
+
+    def grads_changed(self) -> bool:
+        """Whether any parameter's gradient was written since the step opened."""
+        return self._grad_versions != grad_versions(self.model)
 
     def after(self, step: int, data: StepData, calls: list[int], wants: set[str]) -> None:
         """Raises when no hook fired although backward ran; warns (once each) about a step
         with no backward, sites that saw no call, stacks without cosine rows, norms whose
         gradient is not known, and modules called more often than ``max_calls``."""
-        if data.no_backward:
+        if data.no_backward and (data.order > 0).any():  # (a forward under torch.no_grad expects no gradient)
             self.warn_once("no_backward", f"step {step} was recorded but no backward ran inside it, so it has no "
                            "gradient rows (act_grad_norm, ln_gain, param_grad_norm, ...): call loss.backward() inside "
-                           "`with rec.step(step):` (or before rec.end_step()). Later steps like this are not reported "
-                           "again.", stacklevel=5)
+                           "`with rec.step(step):` (or before rec.end_step()). Later steps like this are not reported again.", stacklevel=5)
         seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
         if not seen:
-            if not self.ever_seen and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
+            if not self.ever_seen and self.grads_changed():
                 raise RuntimeError(NO_HOOK_FIRED)
             return
         self.ever_seen = True
@@ -78,28 +82,52 @@ class StepChecks:
         if silent:
             self.warned.update(silent)
             warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
-                          f"{silent[:8]}{' ...' if len(silent) > 8 else ''} (drop them with sites=...)", stacklevel=4)
+                          f"{_listed(silent, 8)} (drop them with sites=...)", stacklevel=4)
         if "cosine" in wants:
             self._cosine(step, data)
+        if "act_grad_norm" in wants and not data.no_backward and data.micro_steps:
+            self._no_gradient(data)
         low = sorted(data.low_precision - self.warned)
         if low:
             self.warned.update(low)
-            warnings.warn(f"gradscope: {low[:4]} ran on bf16/fp16 tensors; the gradient through a norm that is not "
-                          "nn.LayerNorm/nn.RMSNorm is then computed from a fit that is not exact (measured up to 3e-4 "
-                          "off under bf16 autocast), so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows",
+            warnings.warn(f"gradscope: {_listed(low)} ran on bf16/fp16 tensors; the gradient through a norm that reads "
+                          "its input twice (RMSNorm, ScaleNorm, a norm fitted from its call) is then computed in closed "
+                          "form from rounded tensors, which is not exact (measured 3e-4 to 5e-3 off), so they have no "
+                          "ln_gain, ln_w_over_sigma or '.in' gradient rows (nn.LayerNorm's are exact in any precision)",
                           stacklevel=4)
-        unfit = sorted(data.unfit - data.low_precision - self.warned)
+        self._names(data.untold, "cannot be read from their calls: their input is already centred (as after another "
+                    "norm), where LayerNorm's and RMSNorm's forms agree but their gradients differ, or they name no eps "
+                    "and their tokens' variances are nearly equal and below 0.5; so they have no ln_gain, ln_w_over_sigma "
+                    "or '.in' gradient rows (nn.LayerNorm and nn.RMSNorm are always exact; in your own class an "
+                    "`eps` attribute settles the eps, and RMSNorm in its name the form)")
+        unfit = sorted(data.unfit - data.low_precision - data.untold - self.warned)
         if unfit:
             self.warned.update(unfit)
-            warnings.warn(f"gradscope: {unfit[:4]} do not map their normalised input to their output with one gain "
+            warnings.warn(f"gradscope: {_listed(unfit)} do not map their normalised input to their output with one gain "
                           "per feature (adaptive norms?): the gradient through them alone is not known without "
                           "re-running them, so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows",
                           stacklevel=4)
         over = [p.name for p, n in zip(self.points, calls) if n > self.K and p.name not in self.warned]
         if over:
             self.warned.update(over)
-            warnings.warn(f"gradscope: {over[:4]} called more than max_calls={self.K} times in one forward; "
+            warnings.warn(f"gradscope: {_listed(over)} called more than max_calls={self.K} times in one forward; "
                           "later calls are added into the last row (raise max_calls)", stacklevel=4)
+
+    def _no_gradient(self, data: StepData) -> None:
+        """Warns about sites called in the step whose value never required grad."""
+        index = {p.name: i for i, p in enumerate(self.points)}
+        called = (data.order != 0)[:, : data.grad_sq.shape[1]].any(axis=0)
+        none = [site for p, c, slot, site in data.slot_sites()
+                if c == 0 and called[slot] and not data.got[:, slot].any() and self.grad_expected[index[p.name]]]
+        self._names(set(none), "saw no gradient in a step whose backward ran: the tensor there did not require grad "
+                    "(a model input, or a value computed under torch.no_grad), so they have no act_grad_norm rows")
+
+    def _names(self, norms: set[str], why: str) -> None:
+        """One warning naming every norm of ``norms`` not named before, and ``why``."""
+        new = sorted(norms - self.warned)
+        if new:
+            self.warned.update(new)
+            warnings.warn(f"gradscope: {_listed(new)} {why}", stacklevel=5)
 
     def _cosine(self, step: int, data: StepData) -> None:
         written = {k.split(":", 1)[1]: w for k, w in data.blocks.items() if k.startswith("cosine_written:")}
@@ -114,3 +142,8 @@ class StepChecks:
             self.warn_once("cosine", "no cosine rows: the model has no layer stack (an nn.ModuleList of two or more "
                            "blocks of one class; x-transformers alternates attention and feed-forward blocks), "
                            "or sites= left out its outputs", stacklevel=6)
+
+
+def _listed(names: list[str], at_most: int = 6) -> str:
+    """``[a, b, c]``, or ``[a, b, ...] and 7 more``."""
+    return str(names) if len(names) <= at_most else f"{names[:at_most]} and {len(names) - at_most} more"

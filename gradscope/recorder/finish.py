@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradscope.recorder.capture import FWD, LOW_PRECISION
+from gradscope.recorder.capture import FWD
+from gradscope.recorder.norm_stats import UNTOLD, LOW_PRECISION
 from gradscope.recorder.quantity import Quantity
 from gradscope.recorder.step_data import StepData
 from gradscope.table.keys import Key
@@ -49,7 +50,8 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_collector: int, widt
 
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
-              wants: set[str], params_unscaled: bool, backwards: int = 1, value_stats: tuple[str, ...] = (),
+              wants: set[str], params_unscaled: bool, backwards: int = 1, grads_changed: bool = True,
+              value_stats: tuple[str, ...] = (),
               grad_stats: tuple[str, ...] = (), width: int = FWD) -> tuple[list, np.ndarray, StepData]:
     """The rows of one recorded step, in the order of ``quantities`` (the Recorder's).
 
@@ -59,7 +61,9 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     Gradient norms are divided by the GradScaler scale (key ``__scale__``); parameter norms
     only if the user had not unscaled them already. ``backwards``: the backwards the capture
     saw inside the step; when the forward tapped gradients but none came, the quantities
-    that read gradients have no rows (their values would be 0.0 or an earlier step's).
+    that read gradients have no rows (their values would be 0.0 or an earlier step's); so too
+    when no backward reached the capture and no parameter gradient was written
+    (``grads_changed``: an evaluation step under ``torch.no_grad``).
     """
     values = np.asarray(values, dtype=np.float64).copy()
     keys = [k if isinstance(k, Key) else Key(*k) for k in keys]
@@ -75,14 +79,16 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     collector, order, value, user_fwd, misfit = micro_steps(blocks["snapshots"], blocks["marks"],
                                                         n_taps * (1 + len(grad_stats)), width)
     grad_sq = collector[:, :n_taps]
-    no_backward = backwards == 0 and bool((order > 0).any())
+    no_backward = backwards == 0 and (bool((order > 0).any()) or not grads_changed)
     if no_backward:
         gradients = {name for name, q in quantities.items() if q.needs_backward or name in grad_stats}
         wants = wants - gradients
         device = {name: rows for name, rows in device.items() if name not in gradients}
     base, index = len(points) * K, {p.name: i for i, p in enumerate(points)}
     unfit = {n.name for j, n in enumerate(layout.norms) if (misfit[base + j * K: base + (j + 1) * K] > MISFIT).any()}
-    low = {n.name for j, n in enumerate(layout.norms) if (misfit[base + j * K: base + (j + 1) * K] >= LOW_PRECISION).any()}
+    worst = {n.name: misfit[base + j * K: base + (j + 1) * K].max() for j, n in enumerate(layout.norms)}
+    low = {name for name, m in worst.items() if m >= LOW_PRECISION}
+    untold = {name for name, m in worst.items() if UNTOLD <= m < LOW_PRECISION}
     for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows
         if n.name in unfit and n.site_in in index:
             i = index[n.site_in]
@@ -92,7 +98,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
         grad_sq = grad_sq / (scale * scale)
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
     user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
-    data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit, no_backward, low, user_values, user_grads)
+    data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit, no_backward, low, user_values,
+                    user_grads, untold)
     rows: list = []
     for name, quantity in quantities.items():
         if name in wants and not quantity.logged:

@@ -26,6 +26,8 @@ output everything downstream of it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import fnmatch
 import re
@@ -209,17 +211,22 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Mod
 
 def _width(block: nn.Module) -> int | None:
     """Feature width of a block's output, read from the widest norm inside it (the residual
-    stream's: Qwen3's per-head ``q_norm``/``k_norm`` are narrower)."""
+    stream's: Qwen3's per-head ``q_norm``/``k_norm`` are narrower): its ``normalized_shape``,
+    else its 1-D gain whatever its name (``weight``, ``scale``, ``g``, ``gamma``); for a block
+    whose norms have neither, the output width of its last ``nn.Linear``."""
     widths = []
     for name, m in block.named_modules():
         if is_norm(m, name):
-            w = getattr(m, "weight", None)
             shape = getattr(m, "normalized_shape", None)
+            gains = [p for p in m.parameters(recurse=False) if p.dim() == 1]
             if shape:
                 widths.append(int(shape[-1]))
-            elif w is not None and w.dim() == 1:
-                widths.append(int(w.shape[0]))
-    return max(widths, default=None)
+            elif gains:
+                widths.append(int(gains[0].shape[0]))
+    if widths:
+        return max(widths)
+    linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+    return linears[-1].out_features if linears else None
 
 
 def _foreign_layout(model: nn.Module) -> Layout:
@@ -258,6 +265,9 @@ def _foreign_layout(model: nn.Module) -> Layout:
             "placing gradscope.Site() modules in your forward (x = self.hook_resid(x))."
         )
     outside, roles = _outside_groups(model, [p for p in groups if p in position])
+    final = {f"{g}.{end}" for g, r in roles.items() if r == "final_norm" for end in ("in", "out")}
+    probes = [dataclasses.replace(p, role=f"final_{p.role}") if p.name in final and p.role in ("norm_in", "norm_out") else p
+              for p in probes]
     return Layout(probes, norms, stacks, _fill_groups(model, groups, outside), {}, foreign=True, group_roles=roles)
 
 
@@ -266,26 +276,42 @@ def _outside_groups(model: nn.Module, blocks: list[str]) -> tuple[dict, dict[str
     name, so a tied LM head adds nothing twice), with its role, by where it is registered
     relative to the blocks: ``embedding`` (an ``nn.Embedding``, or anything before the first
     block: BERT's embedding LayerNorm, a feature encoder), ``final_norm`` (the first module
-    after the last block, when it is a norm: Llama's ``model.norm``, GPT-2's ``ln_f``),
-    ``head`` (anything else after the last block: LM head, pooler, classifier) or ``other``."""
+    after a list of blocks, when it is a norm: Llama's ``model.norm``, GPT-2's ``ln_f``,
+    ``nn.Transformer``'s ``encoder.norm``; or a
+    norm named ``final``, wherever it is registered: OPT's ``final_layer_norm``),
+    ``head`` (anything else after the last block: LM head, pooler, classifier) or ``other``
+    (a module beside a block in the same list entry, as x-transformers' norms)."""
     modules = dict(model.named_modules())
     order = {name: i for i, name in enumerate(modules)}
     first_block = min((order[b] for b in blocks), default=len(order))
-    last_block = max((order[b] + sum(1 for _ in modules[b].modules()) - 1 for b in blocks), default=-1)
+    inside = [i for name, i in order.items() if any(name == b or name.startswith(f"{b}.") for b in blocks)]
+    last_block = max(inside, default=-1)  # (a module shared by two blocks is listed under the first only)
+    entries = {b.rpartition(".")[0] for b in blocks}  # the list entries the blocks are in
     owners = []
     for pname, _ in model.named_parameters():
         if not any(pname.startswith(f"{b}.") for b in blocks):
             owners.append((pname.rpartition(".")[0], pname))
-    after = [order[o] for o, _ in owners if order[o] > last_block]
+    ends = [max(i for name, i in order.items() if name == b or name.startswith(f"{b}.")) for b in blocks]
+    taken = sorted({order[o] for o, _ in owners})
+
+    def right_after_a_stack(at: int) -> bool:  # the first owner after some block list ends (nn.Transformer's encoder.norm)
+        end = max((e for e in ends if e < at), default=None)
+        return end is not None and not any(end < i < at for i in taken) and not any(end < order[b] < at for b in blocks)
     groups: dict[str, tuple] = {}
     roles: dict[str, str] = {}
     for owner, pname in owners:
         module, group = modules[owner], owner or pname  # a parameter of the root: a group of its own
         if group not in groups:
-            if isinstance(module, nn.Embedding) or order[owner] < first_block:
+            if "final" in owner.rpartition(".")[2] and (is_norm(module, owner) or "norm" in owner.rpartition(".")[2].lower()):
+                roles[group] = "final_norm"
+            elif any(owner.startswith(f"{e}.") for e in entries if e) and not any(owner.startswith(f"{b}.") for b in blocks):
+                roles[group] = "other"  # beside a block in its list entry (x-transformers: [norms, block, residual])
+            elif isinstance(module, nn.Embedding) or order[owner] < first_block:
                 roles[group] = "embedding"
+            elif is_norm(module, owner) and right_after_a_stack(order[owner]):
+                roles[group] = "final_norm"
             elif order[owner] > last_block:
-                roles[group] = "final_norm" if is_norm(module, owner) and order[owner] == min(after) else "head"
+                roles[group] = "head"
             else:
                 roles[group] = "other"
             groups[group] = ("", None, [])
@@ -299,13 +325,19 @@ def _outside_groups(model: nn.Module, blocks: list[str]) -> tuple[dict, dict[str
 
 def _fill_groups(model: nn.Module, groups: dict, filled: dict | None = None) -> dict:
     """Puts every parameter name in the groups whose prefix it has. A parameter shared by
-    two modules is listed under each of its names, so it counts in both blocks' groups.
-    ``filled``: groups whose members are given (by first name only), added as they are."""
+    two modules is listed under each of its names in the groups that hold others (both
+    blocks' layer groups), but in one leaf group only, that of its first name, so that the
+    leaf groups' squares add up to the total's. ``filled``: groups whose members are given
+    (by first name only), added as they are."""
     for pname, _ in model.named_parameters(remove_duplicate=False):
         groups[""][2].append(pname)
         for gname, (_, _, members) in groups.items():
             if gname and pname.startswith(f"{gname}."):
                 members.append(pname)
+    first = {n for n, _ in model.named_parameters()}
+    for gname, (_, _, members) in groups.items():
+        if gname and not any(other.startswith(f"{gname}.") for other in groups):  # a leaf group
+            members[:] = [m for m in members if m in first]
     groups.update(filled or {})
     return {g: v for g, v in groups.items() if v[2]}
 

@@ -41,6 +41,12 @@ from gradscope.recorder.sqnorm import dense_squared_norm
 _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 FIT_TOKENS = 256  # tokens a foreign norm's form, gain and eps are fitted on
 _EPS_ROUNDS = 10  # rounds of reading an unnamed eps from a call (each removes most of the last one's error)
+EPS_GUESS = 5e-6  # an unnamed eps that the call cannot tell: within 5e-6 of any eps in [0, 1e-5]
+_EPS_SPREAD = 0.1  # below this spread of the tokens' variances (std / mean), eps is not read from the call
+_EPS_MIN_VARIANCE = 0.5  # ...and below this mean variance, the guess is not good to 1e-5 either: no rows
+UNTOLD = 1e3  # misfit mark: the call cannot tell the norm's form or its unnamed eps (its gradient rows are left out)
+_TIED = 1e-10  # both forms fit a call this well: its input is already centred, LayerNorm's form and RMSNorm's agree
+LOW_PRECISION = 1e6  # misfit mark: a closed-form norm called on bf16/fp16 tensors (its gradient rows are left out)
 _BATCH_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNorm)
 
 
@@ -59,7 +65,7 @@ class Fit(NamedTuple):
     gain: torch.Tensor  # (d,) fp32 per-feature gain
     is_ln: torch.Tensor  # 0-d bool: LayerNorm's form fits better than RMSNorm's
     inv_sigma: torch.Tensor  # 0-d: mean over tokens of 1/σ_t in the better form
-    misfit: torch.Tensor  # 0-d fp32: the fit's mean squared residual over Var(y)
+    misfit: torch.Tensor  # 0-d fp32: the fit's mean squared residual over Var(y); UNTOLD: eps not known
     eps: torch.Tensor | float  # the module's eps, or (none named) the one read from the call, of the better form
 
 
@@ -79,7 +85,13 @@ def fit_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Fit | None:
     1e-5)``, a literal) it is read from the call: with a first guess the per-token scale
     s_t of y − b against g·u_t is fitted, and 1/s_t² = α(v_t + eps) is linear in the
     token's variance v_t, so eps = intercept / slope. Exact to rounding for any eps a
-    token's variance does not swamp; where it does, eps changes nothing measurable."""
+    token's variance does not swamp; where it does, eps changes nothing measurable. When the
+    tokens' variances are nearly equal (spread under 10 %: a norm after a norm) that slope is
+    rounding noise, so eps is taken as :data:`EPS_GUESS`, which is within 1e-5 relative of
+    any eps up to 1e-5 when the tokens' variance is at least 0.5; below that, the call
+    cannot tell eps and ``misfit`` is :data:`UNTOLD` (no rows, and a warning). So it is when
+    the input is already centred (a norm after a norm) and the class does not say RMSNorm:
+    both forms then fit, and their gradients differ."""
     d = x.shape[-1]
     x2, y2 = x.detach().reshape(-1, d), y.detach().reshape(-1, d)
     n = x2.shape[0]
@@ -93,8 +105,21 @@ def fit_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Fit | None:
     eps0 = norm_eps(module)
     ln = _fit_form(xs - xs.mean(dim=-1, keepdim=True), ys, eps0, named)
     rms = _fit_form(xs, ys, eps0, named)
+    var = ys.var().clamp_min(1e-30)
     is_ln = ln[2] <= rms[2]  # the better fit names the form, with no host sync
-    misfit = torch.minimum(ln[2], rms[2]) / ys.var().clamp_min(1e-30)
+    misfit = torch.minimum(ln[2], rms[2]) / var
+    # On a centred input (after another norm) both forms fit, but their gradients differ by r·mean(w⊙g):
+    # the form is then the one the class names (…RMSNorm), or not known.
+    tied = torch.maximum(ln[2], rms[2]) / var < _TIED
+    if "rms" in type(module).__name__.lower():
+        is_ln, untold = is_ln & ~tied, None
+    else:
+        untold = tied
+    if not named:
+        eps_untold = torch.where(is_ln, ln[4], rms[4])
+        untold = eps_untold if untold is None else untold | eps_untold
+    if untold is not None:
+        misfit = torch.where(untold, torch.full_like(misfit, UNTOLD), misfit)
     eps = eps0 if named else torch.where(is_ln, ln[3], rms[3])
     xf = x.detach().reshape(-1, d).float()  # 1/σ_t over every token of the call
     v = torch.where(is_ln, xf.var(dim=-1, unbiased=False), xf.square().mean(dim=-1))
@@ -102,11 +127,12 @@ def fit_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Fit | None:
 
 
 def _fit_form(u: torch.Tensor, y: torch.Tensor, eps: float, named: bool):
-    """(gain, bias, mean squared residual, eps) of y ≈ g·u/σ + b, σ_t = sqrt(mean u_t² + eps)."""
+    """(gain, bias, mean squared residual, eps, eps unknown) of y ≈ g·u/σ + b,
+    σ_t = sqrt(mean u_t² + eps)."""
     v = u.square().mean(dim=-1, keepdim=True)
     g, b, res = _fit_gain(u * torch.rsqrt(v + eps), y)
     if named:
-        return g, b, res, eps
+        return g, b, res, eps, None
     eps_hat = torch.as_tensor(eps, dtype=u.dtype, device=u.device)
     vt = v.squeeze(-1)
     vc = vt - vt.mean()
@@ -119,7 +145,10 @@ def _fit_form(u: torch.Tensor, y: torch.Tensor, eps: float, named: bool):
         eps_hat = torch.where(torch.isfinite(new), new, eps_hat)
         r = torch.rsqrt(v + eps_hat)
         g, b, res = _fit_gain(u * r, y)
-    return g, b, res, eps_hat
+    flat = vc.square().mean().sqrt() < _EPS_SPREAD * vt.mean()  # the slope is noise: eps is not in the call
+    eps_hat = torch.where(flat, torch.full_like(eps_hat, EPS_GUESS), eps_hat)
+    g, b, res = _fit_gain(u * torch.rsqrt(v + eps_hat), y)
+    return g, b, res, eps_hat, flat & (vt.mean() < _EPS_MIN_VARIANCE)
 
 
 def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor, fit: Fit | None = None) -> torch.Tensor | None:

@@ -138,7 +138,7 @@ class Recorder:
                                 value_stats=[self._quantities[n].site_value for n in self._value_stats],
                                 grad_stats=[self._quantities[n].site_grad for n in self._grad_stats])
         self._capture.install(frozenset().union(*(q.captures for q in self._quantities.values())))
-        self._checks = StepChecks(model, self.layout, self._capture.points, options.max_calls)
+        self._checks = StepChecks(model, self.layout, self._capture.points, options.max_calls, self._capture.grad_expected)
         self._wants: set[str] = set()
         self._buffer: StepBuffer | None = None
         self._step: int | None = None
@@ -261,6 +261,7 @@ class Recorder:
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
                                        K=self._capture.K, quantities=self._quantities, wants=wants,
                                        params_unscaled=self._params_unscaled(), backwards=self._capture.backwards,
+                                       grads_changed=self._checks.grads_changed(),
                                        value_stats=self._value_stats, grad_stats=self._grad_stats,
                                        width=self._capture.width)
         self._checks.after(step, data, calls, wants)

@@ -34,6 +34,7 @@ class StepData:
     low_precision: set[str] = field(default_factory=set)  # fitted norms called on bf16/fp16 tensors (also in unfit)
     user_values: dict[str, np.ndarray] = field(default_factory=dict)  # quantity -> (M, taps) of its site_value
     user_grads: dict[str, np.ndarray] = field(default_factory=dict)  # quantity -> (M, taps) of its site_grad
+    untold: set[str] = field(default_factory=set)  # fitted norms whose unnamed eps the call could not tell (in unfit)
 
     @property
     def micro_steps(self) -> int:

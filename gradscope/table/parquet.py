@@ -114,7 +114,8 @@ def legacy_roles(df: pd.DataFrame) -> pd.Series:
     - ``memory.*``: ``memory``; zoo suffixes ``final_norm.in``, ``norm.in``, ``embed.out``,
       ``combine.out``, ``.branch``, ``.sum`` ...: their roles;
     - other ``*.in`` / ``*.out`` sites of a model that is not a zoo variant (its norms):
-      ``norm_in`` / ``norm_out``; anything else: ``other``.
+      ``norm_in`` / ``norm_out`` (also for its final norm, which the recorder now calls
+      ``final_norm_in`` / ``final_norm_out``: a name does not tell it); anything else: ``other``.
 
     A ``#k`` call suffix (a module called several times) is ignored.
 

@@ -1,0 +1,222 @@
+"""Cases a new-user review found (issue 23): each is exact against autograd computed here, or
+left out with a warning that names it. Models are written in the test."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import gradscope
+
+
+class CentredNorm(nn.Module):  # a parameter-free LayerNorm with a literal eps, as OLMo's non-parametric LN
+    def __init__(self, d: int) -> None:
+        super().__init__()
+
+    def forward(self, x):
+        x = x - x.mean(-1, keepdim=True)
+        return x / (x.var(-1, keepdim=True, unbiased=False) + 1e-5).sqrt()
+
+
+class ScaledRMSNorm(nn.Module):  # an RMSNorm whose gain is called `scale`
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.scale, self.eps = nn.Parameter(torch.ones(d)), 1e-6
+
+    def forward(self, x):
+        return self.scale * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, norm: nn.Module, post: bool = False) -> None:
+        super().__init__()
+        self.ln, self.ff, self.post = norm, nn.Linear(d, d), post
+
+    def forward(self, x):
+        return self.ln(x + self.ff(x)) if self.post else x + self.ff(self.ln(x))
+
+
+class Net(nn.Module):
+    def __init__(self, d: int = 16, norm=nn.LayerNorm, post: bool = False, shared: bool = False, ckpt: bool = False,
+                 final=nn.LayerNorm) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, d)
+        one = norm(d)
+        self.blocks = nn.ModuleList([Block(d, one if shared else norm(d), post) for _ in range(2)])
+        self.final, self.out, self.ckpt = final(d), nn.Linear(d, 3), ckpt
+
+    def forward(self, x):
+        x = self.inp(x)
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=True) if self.ckpt else b(x)
+        return self.out(self.final(x))
+
+
+def _record(model, x, **kw):
+    rec = gradscope.Recorder(model, **kw)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rec.step(0):
+            model(x).square().mean().backward()
+    rec.close()
+    return rec.frame(), [str(w.message) for w in caught if "gradscope" in str(w.message)]
+
+
+def test_a_shared_norm_under_reentrant_checkpointing_gets_one_row_per_call():
+    torch.manual_seed(0)
+    model, x = Net(shared=True, ckpt=True), torch.randn(2, 5, 8).requires_grad_()
+    df, _ = _record(model, x)
+    outs = []
+    h = model.blocks[0].ln.register_forward_hook(lambda m, a, o: (o.retain_grad(), outs.append(o))[0])
+    plain = Net(shared=True)
+    plain.load_state_dict(model.state_dict())
+    h.remove()
+    h = plain.blocks[0].ln.register_forward_hook(lambda m, a, o: (o.retain_grad(), outs.append(o))[0])
+    plain(x).square().mean().backward()
+    h.remove()
+    got = df[df.quantity == "act_grad_norm"].set_index("site").value
+    for site, out in zip(("blocks.0.ln.out", "blocks.0.ln.out#2"), outs):
+        assert got[site] == pytest.approx(out.grad.norm().item(), rel=1e-6), site
+
+
+def test_a_shared_norm_is_in_one_leaf_group_and_the_leaves_add_up():
+    torch.manual_seed(0)
+    model, x = Net(shared=True), torch.randn(2, 5, 8)
+    df, _ = _record(model, x)
+    groups = df[df.quantity == "param_grad_norm"].set_index("site").value
+    total = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters())).item()
+    names = list(groups.index)
+    leaves = [g for g in names if g and not any(o.startswith(f"{g}.") for o in names)]
+    assert "blocks.1.ln" not in leaves and "blocks.0.ln" in leaves
+    assert sum(groups[g] ** 2 for g in leaves) == pytest.approx(total ** 2, rel=1e-6)
+    assert groups[""] == pytest.approx(total, rel=1e-6)
+
+
+def test_rms_norm_closed_forms_on_bf16_tensors_are_left_out_and_named():
+    torch.manual_seed(0)
+    model = Net(norm=nn.RMSNorm, final=nn.RMSNorm).to(torch.bfloat16)
+    df, said = _record(model, torch.randn(2, 5, 8, dtype=torch.bfloat16))
+    assert not any(s.endswith(".in") and "ln" in s for s in df[df.quantity == "act_grad_norm"].site if s != "blocks.0.in")
+    assert "ln_gain" not in set(df.quantity)
+    assert any("ran on bf16/fp16 tensors" in s and "blocks.0.ln" in s for s in said)
+
+
+def test_a_hand_written_norm_on_a_centred_input_is_left_out_and_named():
+    """Post-LN: the final norm reads a norm's output, where LayerNorm's and RMSNorm's forms
+    agree but their gradients do not; the call cannot tell which."""
+    torch.manual_seed(0)
+    model = Net(norm=CentredNorm, final=CentredNorm, post=True)
+    df, said = _record(model, 0.5 * torch.randn(2, 6, 8))
+    sites = set(df[df.quantity == "act_grad_norm"].site)
+    assert "final.in" not in sites and "final" not in set(df[df.quantity == "ln_gain"].site)
+    assert any("cannot be read from their calls" in s and "'final'" in s for s in said)
+
+
+def test_a_hand_written_norm_whose_eps_the_call_tells_is_exact():
+    torch.manual_seed(0)
+    model, x = Net(norm=CentredNorm, final=nn.LayerNorm), torch.randn(2, 6, 8)
+    df, _ = _record(model, x)
+    seen = {}
+    norm = model.blocks[1].ln
+    h = norm.register_forward_hook(lambda m, a, o: seen.update(x=a[0], y=o) or o.retain_grad())
+    model(x).square().mean().backward(retain_graph=True)
+    h.remove()
+    (through,) = torch.autograd.grad(seen["y"], seen["x"], seen["y"].grad)
+    got = df[(df.quantity == "act_grad_norm") & (df.site == "blocks.1.ln.in")].value.item()
+    assert got == pytest.approx(through.norm().item(), rel=1e-5)
+
+
+def test_an_evaluation_step_under_no_grad_reads_no_stale_gradients():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 5, 8)
+    rec = gradscope.Recorder(model)
+    with rec.step(0):
+        model(x).square().mean().backward()
+    with torch.no_grad(), rec.step(1):  # .grad still holds step 0's gradients
+        model(x)
+    rec.close()
+    df = rec.frame()
+    assert set(df[df.step == 1].quantity) == {"act_norm"}
+
+
+def test_cosine_rows_when_the_norms_gain_is_not_called_weight():
+    torch.manual_seed(0)
+    model = Net(norm=ScaledRMSNorm, final=ScaledRMSNorm)
+    df, said = _record(model, torch.randn(2, 5, 8), quantities=["cosine"], slow_every=1)
+    assert (df.quantity == "cosine").sum() == 9, said
+
+
+def test_final_norms_are_found_wherever_they_are_registered():
+    class OptLike(nn.Module):  # OPT registers final_layer_norm before its layers
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(11, 16)
+            self.final_layer_norm = nn.LayerNorm(16)
+            self.layers = nn.ModuleList([Block(16, nn.LayerNorm(16)) for _ in range(2)])
+            self.head = nn.Linear(16, 11)
+
+        def forward(self, ids):
+            x = self.embed(ids)
+            for b in self.layers:
+                x = b(x)
+            return self.head(self.final_layer_norm(x))
+
+    rec = gradscope.Recorder(OptLike())
+    roles = dict(zip(rec.groups.groups, rec.groups.roles))
+    assert roles["final_layer_norm"] == "final_norm" and roles["embed"] == "embedding" and roles["head"] == "head"
+    rec.close()
+    enc = nn.Transformer(16, 2, 2, 2, 32, dropout=0.0, batch_first=True)
+    rec = gradscope.Recorder(enc)
+    roles = dict(zip(rec.groups.groups, rec.groups.roles))
+    assert roles["encoder.norm"] == roles["decoder.norm"] == "final_norm"
+    assert {p.role for p in rec.layout.probes if p.name.startswith("encoder.norm.")} == {"final_norm_in", "final_norm_out"}
+    rec.close()
+
+
+def test_a_site_whose_tensor_needs_no_grad_is_named():
+    class First(nn.Module):  # a Pre-LN block fed the raw input
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([Block(8, nn.LayerNorm(8)) for _ in range(2)])
+
+        def forward(self, x):
+            for b in self.blocks:
+                x = b(x)
+            return x
+
+    df, said = _record(First(), torch.randn(2, 5, 8))
+    assert any("saw no gradient" in s and "blocks.0.ln.in" in s for s in said)
+    assert "blocks.0.ln.in" not in set(df[df.quantity == "act_grad_norm"].site)
+
+
+def test_foreign_norms_get_their_real_gradient_eagerly_and_compiled():
+    """A nanoGPT LayerNorm (F.layer_norm with a literal eps) in a Pre-LN stack, compiled."""
+    class LayerNorm(nn.Module):  # nanoGPT's name: the recorder finds norms by class name
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(1 + 0.2 * torch.randn(d)), nn.Parameter(torch.zeros(d))
+
+        def forward(self, x):
+            return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+    torch.manual_seed(0)
+    model, x = Net(norm=LayerNorm, final=LayerNorm), torch.randn(2, 6, 8)
+    twin = Net(norm=LayerNorm, final=LayerNorm)
+    twin.load_state_dict(model.state_dict())
+    rec = gradscope.Recorder(model)
+    run = torch.compile(model, fullgraph=True)
+    with rec.step(0):
+        run(x).square().mean().backward()
+    rec.close()
+    got = rec.frame().query("quantity == 'act_grad_norm'").set_index("site").value
+    seen = {}
+    h = twin.blocks[1].ln.register_forward_hook(lambda m, a, o: seen.update(x=a[0], y=o) or o.retain_grad())
+    twin(x).square().mean().backward(retain_graph=True)
+    h.remove()
+    (through,) = torch.autograd.grad(seen["y"], seen["x"], seen["y"].grad)
+    assert got["blocks.1.ln.in"] == pytest.approx(through.norm().item(), rel=1e-5)
