@@ -6,6 +6,12 @@ Usage: python compile_child.py {pre_ln,post_ln,llama} {plain,recorded,eager} OUT
 ``plain``: torch.compile(fullgraph=True), no recorder ever attached. ``recorded``: a
 Recorder(every=2) made first, then the same compile. ``eager``: the Recorder on the
 uncompiled model. Each mode runs in its own process so compile caches stay apart.
+
+Kernels are deterministic (``torch.use_deterministic_algorithms(True)``, set before compiling)
+and the thread count is the caller's: with two or more threads Inductor's CPU embedding
+backward otherwise adds into the gradient with atomics, so two compiled runs *without* a
+recorder already differ by ~1e-4 after a few Adam steps (issue 23, item 7). The batch is 8×32
+tokens of a small vocabulary, so that threads share embedding rows and the race would show.
 QUANTITIES: the Recorder's preset (default ``default``; ``signals`` adds attention
 logits and entropy, output log Z, sub-layer RMS and gradient RMS over ε)."""
 
@@ -34,7 +40,7 @@ def build(name: str):
         model = transformers.LlamaForCausalLM(cfg)
 
         def data(step):
-            ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(step))
+            ids = torch.randint(0, 64, (8, 32), generator=torch.Generator().manual_seed(step))
             return (ids,), ids
 
         def loss_fn(out, target):
@@ -45,7 +51,7 @@ def build(name: str):
     model = gradscope.build_model(tiny(name, "decoder"))
 
     def data(step):
-        inputs = batch(model.config, seed=step)
+        inputs = batch(model.config, seed=step, B=8, S=32)
         return inputs, inputs[-1]
 
     def loss_fn(out, target):
@@ -55,7 +61,7 @@ def build(name: str):
 
 
 def main(name: str, mode: str, out: str, quantities: str = "default") -> None:
-    torch.set_num_threads(1)
+    torch.use_deterministic_algorithms(True)  # before compiling: Inductor's cache key includes it
     model, data, loss_fn = build(name)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     rec = gradscope.Recorder(model, every=2, quantities=quantities, optimizer=opt) if mode in ("recorded", "eager") else None
@@ -79,7 +85,7 @@ def main(name: str, mode: str, out: str, quantities: str = "default") -> None:
         rec.save(f"{out}/table.parquet")
         rec.close()
     stats = {"graph_breaks": sum(counters["graph_break"].values()), "unique_graphs": counters["stats"]["unique_graphs"],
-             "graphs_after_warmup": graphs_after_warmup}
+             "graphs_after_warmup": graphs_after_warmup, "threads": torch.get_num_threads()}
     with open(f"{out}/stats.json", "w") as f:
         json.dump(stats, f)
 

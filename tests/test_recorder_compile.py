@@ -1,7 +1,8 @@
 """The recorder under torch.compile(fullgraph=True): no graph break, no recompile after the
 first recorded and unrecorded steps, values equal to an eager recorder, and training
-bit-identical to a compiled run that never had a recorder. Each run is its own process
-(tests/compile_child.py) so that compile caches stay apart."""
+bit-identical to a compiled run that never had a recorder, at two threads with deterministic
+kernels (tests/compile_child.py says why those). Each run is its own process so that compile
+caches stay apart."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ HERE = Path(__file__).parent
 
 def _run(name: str, mode: str, out: Path, quantities: str = "default") -> dict:
     out.mkdir()
-    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "1"}
+    # two threads, whatever the suite runs at: the promise holds at any thread count (with deterministic kernels)
+    env = {**os.environ, "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "OMP_NUM_THREADS": "2"}
     proc = subprocess.run([sys.executable, str(HERE / "compile_child.py"), name, mode, str(out), quantities], env=env,
                           capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -38,6 +40,7 @@ def test_compiled_recording_is_exact_and_changes_nothing(name, quantities, tmp_p
     plain = _run(name, "plain", tmp_path / "plain")
     _run(name, "eager", tmp_path / "eager", quantities)
     assert recorded["graph_breaks"] == 0
+    assert recorded["threads"] == plain["threads"] == 2
     # one more graph: the recorded forward; with the signals one more again: the output-logit hook sits on
     # the root module, whose hooks Dynamo compiles as a frame of their own
     extra = 1 + (quantities == "signals")

@@ -497,8 +497,12 @@ def test_site_roles(name):
     assert "role" in df.columns, "the table has no role column"
     rows = df[df.quantity == "act_norm"]
     role = dict(zip(rows.site, rows.role))
+    # a norm outside the blocks whose parameter group is the model's final norm is named so at its sites too
+    groups = df[df.quantity == "param_grad_norm"]
+    final = set(groups.loc[groups.role == "final_norm", "site"])
+    kind = {n: "final_norm" if n in final else "norm" for n in norms}
     want = {**{f"{b}.in": "layer_in" for b in blocks}, **{f"{b}.out": "layer_out" for b in blocks},
-            **{f"{n}.in": "norm_in" for n in norms}, **{f"{n}.out": "norm_out" for n in norms}}
+            **{f"{n}.in": f"{kind[n]}_in" for n in norms}, **{f"{n}.out": f"{kind[n]}_out" for n in norms}}
     for site, r in role.items():
         base = site.partition("#")[0]
         if base in want:
