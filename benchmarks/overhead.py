@@ -13,6 +13,7 @@ than the work, otherwise move a 205 ms step by ±5 ms on either side.
     python -m benchmarks.overhead --depths 12 --pairs 10   # the 6+6 reference only
     python -m benchmarks.overhead --depths 12 --pairs 30 --device cuda
     python -m benchmarks.overhead --depths 12 --no-compile --breakdown --only gradscope   # cost per quantity
+    python -m benchmarks.overhead --depths 12 --d-model 16 --batch-size 2 --length 5 --pairs 200   # host cost
 
 Compiled column: each model copy is compiled once with ``torch.compile(fullgraph=True)``
 (the Recorder made first) and warmed up on recorded and unrecorded steps (step 0 records
@@ -94,10 +95,12 @@ def compiles_so_far() -> int:
             + inductor["fxgraph_cache_miss"] + inductor["fxgraph_cache_hit"])
 
 
-def spread(ratios: list[float]) -> str:
-    """``median× (25th–75th percentile)`` of per-pair ratios."""
+def spread(ratios: list[float], added: list[float]) -> str:
+    """``median× (25th–75th percentile), +median added ms`` of per-pair ratios and of the
+    per-pair added time (method − plain): the added milliseconds are the host cost a GPU
+    user pays when the model is so narrow that the arithmetic is nothing (``--d-model 16``)."""
     q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
-    return f"{statistics.median(ratios):.3f}× ({q[0]:.3f}–{q[2]:.3f})"
+    return f"{statistics.median(ratios):.3f}× ({q[0]:.3f}–{q[2]:.3f}), {1e3 * statistics.median(added):+.2f} ms"
 
 
 def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[int], None], ref_times: list[float],
@@ -133,7 +136,7 @@ def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[
         check["warm-up s"] = f"{time.perf_counter() - t0:.1f}"
         c1 = compiles_so_far()
         check["compiles in warm-up"] = c1 - c0
-        ratios = []
+        ratios, added = [], []
         for r in range(args.pairs):
             i = args.warmup + r
             if r % 2:
@@ -143,6 +146,7 @@ def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[
                 t = timed(runner.step, i, args.device)
                 t_ref = timed(ref, i, args.device)
             ratios.append(t / t_ref)
+            added.append(t - t_ref)
             ref_times.append(t_ref)
         check["compiles in timing"] = compiles_so_far() - c1
         check["graph breaks"] = sum(counters["graph_break"].values())
@@ -156,7 +160,7 @@ def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[
         return f"error: {type(err).__name__} (trace on stderr)", check
     finally:
         runner.finish()
-    cell = spread(ratios)
+    cell = spread(ratios, added)
     if check["compiles in timing"]:
         cell = f"INVALID, compiled while timing: {cell}"
     if method.records and not check.get("rows in timed steps"):
@@ -276,8 +280,10 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|" + "---|" * len(columns))
     for name, cells in table.items():
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print("\nCells: median of per-pair step-time ratios to a plain step of the same mode (interquartile range);\n"
-          "the plain row is its median step time. A compiled ratio compares compiled with compiled.\n")
+    print("\nCells: median of per-pair step-time ratios to a plain step of the same mode (interquartile range),\n"
+          "then the median of the per-pair added time (method − plain, ms); the plain row is its median step\n"
+          "time. A compiled ratio compares compiled with compiled. At --d-model 16 the arithmetic is nothing\n"
+          "and the added time is the host work a GPU user pays (no GPU is lent to this project).\n")
     keys = ["warm-up s", "compiles in warm-up", "compiles in timing", "graph breaks", "rows in warm-up", "rows in timed steps"]
     print("| method | column | " + " | ".join(keys) + " |")
     print("|---|---|" + "---|" * len(keys))
