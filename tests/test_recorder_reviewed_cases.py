@@ -220,3 +220,32 @@ def test_foreign_norms_get_their_real_gradient_eagerly_and_compiled():
     h.remove()
     (through,) = torch.autograd.grad(seen["y"], seen["x"], seen["y"].grad)
     assert got["blocks.1.ln.in"] == pytest.approx(through.norm().item(), rel=1e-5)
+
+
+class GammaNorm(nn.Module):  # x-transformers' LayerNorm: a bare nn.LayerNorm inside, the gain outside
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln, self.gamma = nn.LayerNorm(d, elementwise_affine=False), nn.Parameter(2 + torch.rand(d))
+
+    def forward(self, x):
+        return self.ln(x) * self.gamma
+
+
+def test_a_norm_class_wrapping_a_bare_norm_is_the_norm():
+    torch.manual_seed(0)
+    model, x = Net(norm=GammaNorm, final=GammaNorm), torch.randn(2, 6, 8)
+    assert "blocks.1.ln.in" in gradscope.site_names(model) and "blocks.1.ln.ln.in" not in gradscope.site_names(model)
+    df, _ = _record(model, x, quantities=["act_grad_norm", "ln_gain", "ln_w_over_sigma"])
+    seen = {}
+    norm = model.blocks[1].ln
+    h = norm.register_forward_hook(lambda m, a, o: seen.update(x=a[0], y=o) or o.retain_grad())
+    model(x).square().mean().backward(retain_graph=True)
+    h.remove()
+    g_out = seen["y"].grad.clone()  # autograd.grad below adds into a retained grad
+    (through,) = torch.autograd.grad(seen["y"], seen["x"], g_out)
+    got = df.set_index(["site", "quantity"]).value
+    assert got["blocks.1.ln.in", "act_grad_norm"] == pytest.approx(through.norm().item(), rel=1e-5)
+    assert got["blocks.1.ln", "ln_gain"] == pytest.approx((through.norm() / g_out.norm()).item(), rel=1e-5)
+    sigma = torch.sqrt(seen["x"].var(-1, unbiased=False) + 1e-5)
+    want = (norm.gamma.mean() * (1 / sigma).mean()).item()  # mean over tokens and features of gamma_f / sigma_t
+    assert got["blocks.1.ln", "ln_w_over_sigma"] == pytest.approx(want, rel=1e-5)

@@ -109,9 +109,18 @@ def is_norm(module: nn.Module, name: str = "") -> bool:
         return True
     if "parametrizations" in name.split(".") or not type(module).__name__.endswith("Norm"):
         return False
-    if next(module.children(), None) is not None:
+    children = list(module.children())
+    if children and not wraps_a_bare_norm(module):
         return False  # holds sub-modules: a layer, not a norm
     return all(p.dim() <= 1 for p in module.parameters(recurse=False))
+
+
+def wraps_a_bare_norm(module: nn.Module) -> bool:
+    """A ``*Norm`` class whose one child is a norm with no parameters, the gain its own
+    (x-transformers' ``LayerNorm``: ``self.ln(x) * self.gamma``): the class is the norm."""
+    children = list(module.children())
+    return (len(children) == 1 and isinstance(children[0], KNOWN_NORMS) and not any(True for _ in children[0].parameters())
+            and type(module).__name__.endswith("Norm"))
 
 
 def is_zoo(model: nn.Module) -> bool:
@@ -247,8 +256,10 @@ def _foreign_layout(model: nn.Module) -> Layout:
             names = (f"{blocks[0][0]}.in", *(f"{p}.out" for p, _ in blocks))
             stacks.append(StackOutputs(sname, names, _width(blocks[0][1])))
     norms = []
-    for name, module in model.named_modules():
-        if not is_norm(module, name):
+    modules = dict(model.named_modules())
+    for name, module in modules.items():
+        parent = modules.get(name.rpartition(".")[0]) if name else None
+        if not is_norm(module, name) or (parent is not None and parent is not module and wraps_a_bare_norm(parent)):
             continue
         stack, layer = "", None
         for prefix, pos in position.items():

@@ -51,11 +51,13 @@ _BATCH_NORMS = (nn.modules.batchnorm._NormBase, nn.GroupNorm, nn.LocalResponseNo
 
 
 def norm_eps(module: nn.Module, default: float = 1e-6) -> float:
-    """The epsilon a norm adds to its variance (the first of eps, variance_epsilon, epsilon)."""
-    for attr in _EPS_ATTRS:
-        value = getattr(module, attr, None)
-        if isinstance(value, (int, float)):
-            return float(value)
+    """The epsilon a norm adds to its variance (the first of eps, variance_epsilon, epsilon;
+    a class that wraps one bare norm, that norm's)."""
+    for m in (module, *module.children()):
+        for attr in _EPS_ATTRS:
+            value = getattr(m, attr, None)
+            if isinstance(value, (int, float)):
+                return float(value)
     return default
 
 
@@ -71,7 +73,7 @@ class Fit(NamedTuple):
 
 def has_eps(module: nn.Module) -> bool:
     """Whether the norm names its epsilon (``eps``, ``variance_epsilon`` or ``epsilon``)."""
-    return any(isinstance(getattr(module, a, None), (int, float)) for a in _EPS_ATTRS)
+    return any(isinstance(getattr(m, a, None), (int, float)) for m in (module, *module.children()) for a in _EPS_ATTRS)
 
 
 def fit_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Fit | None:
