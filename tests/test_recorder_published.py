@@ -267,17 +267,28 @@ def _holds_params(m):
     return m is not None and any(True for _ in m.parameters())
 
 
+_TORCH_NORMS = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)
+
+
+def _gain_wrapper(m: nn.Module) -> bool:
+    """A *Norm class holding one parameter-free torch norm and its own gain (x-transformers' LayerNorm)."""
+    kids = list(m.children())
+    return (type(m).__name__.endswith("Norm") and len(kids) == 1 and isinstance(kids[0], _TORCH_NORMS)
+            and not list(kids[0].parameters()))
+
+
 def is_norm(name: str, m: nn.Module) -> bool:
     if ".parametrizations." in f".{name}.":
         return False  # torch.nn.utils.parametrizations.weight_norm's _WeightNorm: not an activation norm
-    if isinstance(m, (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.modules.batchnorm._BatchNorm)):
+    if isinstance(m, _TORCH_NORMS):
         return True
-    return (type(m).__name__.endswith("Norm") and not list(m.children())
+    return (type(m).__name__.endswith("Norm") and (not list(m.children()) or _gain_wrapper(m))
             and all(prm.dim() <= 1 for prm in m.parameters(recurse=False)))
 
 
 def norm_modules(model) -> dict[str, nn.Module]:
-    return {n: m for n, m in model.named_modules() if is_norm(n, m)}
+    found = {n: m for n, m in model.named_modules() if is_norm(n, m)}
+    return {n: m for n, m in found.items() if not (n.rpartition(".")[0] in found and _gain_wrapper(found[n.rpartition(".")[0]]))}
 
 
 def _block_lists(model) -> list[tuple[str, list[nn.Module]]]:
