@@ -78,6 +78,7 @@ class Capture:
         self.recalls = [0] * len(self.calls)
         self.seq = 0
         self.backwards = 0  # backwards seen in the open recorded step
+        self.grad_forwards = 0  # forwards of the open recorded step that ran with grad enabled
         self.device: torch.device | None = None
         self.collector: torch.Tensor | None = None
         self.fwd: torch.Tensor | None = None  # (n_slots, width): [±order (negative: not tapped), value, misfit, user...]
@@ -180,7 +181,7 @@ class Capture:
         self.calls = [0] * len(self.calls)
         self.recalls = [0] * len(self.calls)
         self.seq = 0
-        self.backwards = 0
+        self.backwards = self.grad_forwards = 0
         self.eager.begin()
         if attention or rms or logits:
             self.signals.begin(device, attention=attention, rms=rms, logits=logits)
@@ -237,6 +238,8 @@ class Capture:
         self.calls = [0] * len(self.calls)
         self.recalls = [0] * len(self.recalls)
         self.seq = 0
+        if torch.is_grad_enabled():
+            self.grad_forwards += 1
         if self.want_cosine:
             self.cosine.masks = self.token_masks(args, kwargs)
         return None

@@ -58,11 +58,8 @@ class StepChecks:
                            "table holds a step twice (rec.frame() keeps both; gradscope.load(log_dir) keeps the last "
                            "write of each step). Pass the global step to rec.step(). Not reported again.", stacklevel=6)
         self.last_recorded = step if last is None else max(step, last)
-        self._grad_versions = grad_versions(self.model)
-
-    def grads_changed(self) -> bool:
-        """Whether any parameter's gradient was written since the step opened."""
-        return self._grad_versions != grad_versions(self.model)
+        if not self.ever_seen:  # (a walk over the parameters: only until a hook has fired)
+            self._grad_versions = grad_versions(self.model)
 
     def after(self, step: int, data: StepData, calls: list[int], wants: set[str]) -> None:
         """Raises when no hook fired although backward ran; warns (once each) about a step
@@ -74,7 +71,7 @@ class StepChecks:
                            "`with rec.step(step):` (or before rec.end_step()). Later steps like this are not reported again.", stacklevel=5)
         seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
         if not seen:
-            if not self.ever_seen and self.grads_changed():
+            if not self.ever_seen and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
                 raise RuntimeError(NO_HOOK_FIRED)
             return
         self.ever_seen = True

@@ -50,7 +50,7 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_collector: int, widt
 
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
-              wants: set[str], params_unscaled: bool, backwards: int = 1, grads_changed: bool = True,
+              wants: set[str], params_unscaled: bool, backwards: int = 1, grad_forwards: int = 1,
               value_stats: tuple[str, ...] = (),
               grad_stats: tuple[str, ...] = (), width: int = FWD) -> tuple[list, np.ndarray, StepData]:
     """The rows of one recorded step, in the order of ``quantities`` (the Recorder's).
@@ -62,8 +62,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     only if the user had not unscaled them already. ``backwards``: the backwards the capture
     saw inside the step; when the forward tapped gradients but none came, the quantities
     that read gradients have no rows (their values would be 0.0 or an earlier step's); so too
-    when a forward ran but no backward reached the capture and no parameter gradient was
-    written (``grads_changed``: an evaluation step under ``torch.no_grad``).
+    when a forward ran but none with grad enabled (``grad_forwards``: an evaluation step
+    under ``torch.no_grad``), whose ``p.grad`` would be an earlier step's.
     """
     values = np.asarray(values, dtype=np.float64).copy()
     keys = [k if isinstance(k, Key) else Key(*k) for k in keys]
@@ -79,9 +79,9 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     collector, order, value, user_fwd, misfit = micro_steps(blocks["snapshots"], blocks["marks"],
                                                         n_taps * (1 + len(grad_stats)), width)
     grad_sq = collector[:, :n_taps]
-    # no backward: the forward tapped gradients and none came, or a forward ran (under torch.no_grad) and no
-    # parameter gradient was written; a step with no forward at all reads the gradients as they are
-    no_backward = backwards == 0 and (bool((order > 0).any()) or (bool((order != 0).any()) and not grads_changed))
+    # no backward: the forward tapped gradients and none came, or every forward ran under torch.no_grad;
+    # a step with no forward at all reads the gradients as they are
+    no_backward = backwards == 0 and (bool((order > 0).any()) or (bool((order != 0).any()) and grad_forwards == 0))
     if no_backward:
         gradients = {name for name, q in quantities.items() if q.needs_backward or name in grad_stats}
         wants = wants - gradients

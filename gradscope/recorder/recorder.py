@@ -261,7 +261,7 @@ class Recorder:
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
                                        K=self._capture.K, quantities=self._quantities, wants=wants,
                                        params_unscaled=self._params_unscaled(), backwards=self._capture.backwards,
-                                       grads_changed=self._checks.grads_changed(),
+                                       grad_forwards=self._capture.grad_forwards,
                                        value_stats=self._value_stats, grad_stats=self._grad_stats,
                                        width=self._capture.width)
         self._checks.after(step, data, calls, wants)
