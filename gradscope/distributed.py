@@ -48,7 +48,7 @@ import pandas as pd
 from gradscope.recorder.collectives import gather_frame, reduce_squared_norms  # noqa: F401  (public here)
 from gradscope.recorder.quantities import REGISTRY
 from gradscope.recorder.quantity import COMBINE, Quantity, combine
-from gradscope.table import concat, empty_frame
+from gradscope.table import DTYPES, concat, empty_frame
 
 __all__ = ["gather_frame", "global_act_grad_norms", "global_rows", "reduce_squared_norms"]
 
@@ -102,8 +102,11 @@ def global_rows(df: pd.DataFrame, world_size: int | None = None, reduction: str 
     """
     if reduction not in (None, "mean", "sum"):
         raise ValueError(f"reduction: must be 'mean', 'sum' or None, got {reduction!r}")
+    for q in extra:
+        q.check()
     rules = {n: RANK_RULES[n] for n in quantities if n in RANK_RULES}
     rules.update({q.name: q.across_ranks for q in extra})
+    df = df.astype({c: DTYPES[c] for c in ("layer", "layer_j", "step", "micro_step", "rank") if c in df})
     rows = df[(df["rank"] >= 0) & df["quantity"].isin([n for n, r in rules.items() if r != "local"])]
     ranks = sorted(int(r) for r in rows["rank"].unique())
     W = world_size if world_size is not None else len(ranks)

@@ -208,3 +208,45 @@ def test_ranks_combine_a_user_quantity_by_its_rule():
     out = global_rows(gradscope.table.make_frame(rows), extra=(MaxAbs(), GradRms())).set_index("quantity").value
     assert out["act_max_abs"] == 3.0
     assert out["act_grad_rms"] == pytest.approx(np.sqrt((1.0 + 9.0) / 2))
+
+
+def test_contract_mistakes_are_named():
+    class Misspelled(gradscope.Quantity):
+        name = "act_max"
+
+        def site_values(self, h):  # not site_value
+            return h.amax()
+
+    class Shouting(MaxAbs):
+        name = "ActMax"
+
+    class PassesForBuiltIn(MaxAbs):
+        name = "act_norm"
+
+    class WholeTensor(MaxAbs):
+        name = "act_abs"
+
+        def site_value(self, h):
+            return h.abs()
+
+    class Elsewhere(gradscope.Quantity):
+        name = "mine"
+
+        def collect(self, ctx):
+            ctx.add_model_value("loss", 1.0)
+
+    model, idx = NanoGPT(), torch.randint(0, 32, (2, 7))
+    for bad, match in ((Misspelled(), r"none of site_value.*did you mean .*'site_value'"), (Shouting(), "Shouting.name"),
+                       (PassesForBuiltIn(), "a built-in quantity's name"), (MaxAbs, r"pass an instance, MaxAbs\(\)")):
+        with pytest.raises(ValueError, match=match):
+            gradscope.Recorder(model, quantities=[bad])
+    for bad, error, match in ((WholeTensor(), TypeError, r"WholeTensor.site_value at site 'h.0.in': must return a 0-d tensor"),
+                              (Elsewhere(), ValueError, r"Elsewhere.collect added values under \['loss'\]")):
+        rec = gradscope.Recorder(model, quantities=[bad])
+        with pytest.raises(error, match=match), rec.step(0):
+            _loss(model, idx).backward()
+        rec.close()
+    with pytest.raises(ValueError, match="across_ranks: 'maximum'"):
+        class Typo(MaxAbs):
+            across_ranks = "maximum"
+        global_rows(gradscope.table.make_frame([dict(step=0, quantity="act_max_abs", value=1.0)]), extra=(Typo(),))

@@ -38,6 +38,7 @@ from gradscope.models.sites import Site
 from gradscope.recorder.cosine_rows import CosineRows
 from gradscope.recorder.eager import EagerGrads
 from gradscope.recorder.layout import Layout
+from gradscope.recorder.quantity import statistic
 from gradscope.recorder.norm_stats import LOW_PRECISION, fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
 from gradscope.recorder.sqnorm import Reused
@@ -271,7 +272,7 @@ class Capture:
                 w.value(slot, t)
             if self.stats_now:
                 for k, f in enumerate(self.value_stats):
-                    w.put(slot, FWD + k, f(t.detach()).float().reshape(()))
+                    w.put(slot, FWD + k, statistic(f, t.detach(), f"site {self.points[i].name!r}"))
             if self.want_cosine and c == 0:
                 self.cosine.sample(self.points[i].name, t)
         if not (grad and self._taps[i]):

@@ -117,7 +117,8 @@ class StepChecks:
         none = [site for p, c, slot, site in data.slot_sites()
                 if c == 0 and called[slot] and not data.got[:, slot].any() and self.grad_expected[index[p.name]]]
         self._names(set(none), "saw no gradient in a step whose backward ran: the tensor there did not require grad "
-                    "(a model input, or a value computed under torch.no_grad), so they have no act_grad_norm rows")
+                    "(a model input, or a value computed under torch.no_grad), so they have no gradient rows (act_grad_norm, "
+                    "a site_grad quantity's)")
 
     def _names(self, norms: set[str], why: str) -> None:
         """One warning naming every norm of ``norms`` not named before, and ``why``."""

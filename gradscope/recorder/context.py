@@ -1,7 +1,8 @@
 """What a quantity sees at the end of a recorded step: :class:`StepContext`.
 
 A quantity's :meth:`~gradscope.recorder.quantity.Quantity.collect` gets one, after the
-step's backward and before its one host transfer. It offers the model, its parameter
+step's backward and before its one host transfer, so before the loop's ``optimizer.step()``:
+optimizer state read there is the previous step's (none at the first step). It offers the model, its parameter
 groups and gradients, the optimizer, the built-in captures, a way to add values under row
 keys, and once-only warnings; never the Recorder itself.
 """
@@ -22,6 +23,7 @@ from gradscope.table.keys import Key, model_key
 
 if TYPE_CHECKING:
     from gradscope.recorder.capture import Capture
+    from gradscope.recorder.quantity import Quantity
 
 
 @dataclass
@@ -50,12 +52,23 @@ class StepContext:
     capture: Capture = field(repr=False)
     buffer: StepBuffer = field(repr=False)
     warned: set[str] = field(repr=False)
+    current: Quantity | None = field(default=None, repr=False)  # the quantity collecting now
     _cache: dict = field(default_factory=dict, repr=False)
+
+    def _own(self, quantities: set[str]) -> None:
+        q = self.current
+        if q is not None and not quantities <= set(q.names):
+            raise ValueError(f"{type(q).__name__}.collect added values under {sorted(quantities - set(q.names))}: a "
+                             f"quantity adds rows under its own name ({q.name!r}, or also_names)")
 
     # -- adding values ---------------------------------------------------------------------------
     def add(self, key: Key, value: torch.Tensor | float) -> None:
         """One value (a 0-d tensor, kept on its device, or a float) under ``key``."""
+        self._own({key.quantity})
         if isinstance(value, torch.Tensor):
+            if value.numel() != 1:
+                raise TypeError(f"StepContext.add({key.quantity!r}): one number per key, got a tensor of shape "
+                                f"{tuple(value.shape)} (add_many takes one value per key)")
             self.buffer.add(key, value.detach().float().reshape(()))
         else:
             self.buffer.add_float(key, value)
@@ -66,10 +79,14 @@ class StepContext:
 
     def add_many(self, keys: list[Key], values: torch.Tensor) -> None:
         """A 1-d tensor of values, one per key."""
+        self._own({k.quantity for k in keys})
+        if values.numel() != len(keys):
+            raise ValueError(f"StepContext.add_many: {len(keys)} keys but {values.numel()} values")
         self.buffer.add_many(keys, values)
 
     def add_matrix(self, stack: str, site: str, quantity: str, matrix: torch.Tensor) -> None:
         """A matrix: row i, column j become rows with ``layer=i``, ``layer_j=j``."""
+        self._own({quantity})
         self.buffer.add_matrix(-1, stack, site, quantity, matrix)
 
     def add_block(self, name: str, values: torch.Tensor) -> None:

@@ -37,6 +37,7 @@ from functools import partial
 
 import torch
 
+from gradscope.recorder.quantity import statistic
 from gradscope.recorder.sqnorm import Reused
 
 
@@ -114,7 +115,7 @@ class EagerGrads:
         backward hands them to the capture."""
         self.pending.append((slot, sq))
         if self.stats and grad is not None:
-            self.pending += [(slot + (k + 1) * self._taps, f(grad).float().reshape(())) for k, f in enumerate(self.stats)]
+            self.pending += [(slot + (k + 1) * self._taps, statistic(f, grad)) for k, f in enumerate(self.stats)]
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)

@@ -246,6 +246,9 @@ class UpdateRatio(Quantity):
     name, slow, across_ranks = "update_ratio", True, "shared"
     description = "‖Δθ‖ / ‖θ‖ per parameter group across optimizer.step() (needs Recorder(optimizer=...))"
 
+    def rows(self, data):
+        return []  # written after optimizer.step() (gradscope.recorder.update_ratio)
+
 
 class Spike(Quantity):
     """A value far above its own recent past (:mod:`gradscope.recorder.spike`); its rows are
@@ -255,6 +258,9 @@ class Spike(Quantity):
     description = ("z-score (above 6) of a value against its series' previous 128 recorded values, for every "
                    "quantity whose spike_watched is set")
     paper = "OLMo-core's loss-spike rule"
+
+    def rows(self, data):
+        return []  # written as each step's rows pass the outlet (gradscope.recorder.spike)
 
 
 REGISTRY: dict[str, Quantity] = {
@@ -310,8 +316,14 @@ def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
             q = REGISTRY[q]
         elif isinstance(q, Quantity):
             q.check()
+            taken = {n for b in REGISTRY.values() for n in b.names} & set(q.names)
+            if taken and not any(q is b for b in REGISTRY.values()):
+                raise ValueError(f"quantities: {type(q).__name__} is named {sorted(taken)}, a built-in quantity's name "
+                                 "(its rows would pass for the built-in's, and ranks would combine them by its rule): "
+                                 "give it a name of its own")
         else:
-            raise ValueError(f"quantities: {q!r} is neither a quantity name nor a gradscope.Quantity instance")
+            made = " (a class: pass an instance, " + q.__name__ + "())" if isinstance(q, type) else ""
+            raise ValueError(f"quantities: {q!r} is neither a quantity name nor a gradscope.Quantity instance{made}")
         if q.name in out and out[q.name] is not q:
             raise ValueError(f"quantities: two quantities named {q.name!r}")
         out[q.name] = q

@@ -32,7 +32,9 @@ Values reach the host once per recorded step, for every quantity together.
 
 from __future__ import annotations
 
+import difflib
 import math
+import re
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -110,7 +112,8 @@ class Quantity:
 
     # -- at the end of the step ----------------------------------------------------------------
     def collect(self, ctx: StepContext) -> None:
-        """Device work at the end of a recorded step, after backward: add values with
+        """Device work at the end of a recorded step, after backward and before the loop's
+        ``optimizer.step()``: add values under this quantity's name with
         ``ctx.add(key, tensor)`` and friends (:class:`~gradscope.recorder.context.StepContext`)."""
 
     def rows(self, data: StepData) -> list[Row]:
@@ -146,8 +149,17 @@ class Quantity:
     def check(self) -> None:
         """Raises ValueError naming the attribute that breaks the contract."""
         kind = type(self).__name__
-        if not isinstance(self.name, str) or not self.name or self.name != self.name.strip():
-            raise ValueError(f"{kind}.name: a non-empty string without spaces at the ends, got {self.name!r}")
+        if not isinstance(self.name, str) or not re.fullmatch(r"[a-z][a-z0-9_]*", self.name):
+            raise ValueError(f"{kind}.name: lower case letters, digits and '_', starting with a letter "
+                             f"(as the built-in 'act_grad_norm'), got {self.name!r}")
+        acts = [m for m in ("site_value", "site_grad", "collect", "rows")
+                if getattr(type(self), m) is not getattr(Quantity, m)]
+        if not (acts or self.captures or self.logged):
+            own = [a for a in vars(type(self)) if not a.startswith("_")]
+            close = sorted({c for a in own for c in difflib.get_close_matches(a, ["site_value", "site_grad", "collect", "rows"])})
+            hint = f" (did you mean {close}?)" if close else ""
+            raise ValueError(f"{kind}: defines none of site_value, site_grad, collect or rows, so it would record "
+                             f"nothing{hint}")
         bad = sorted(set(self.captures) - set(CAPTURES))
         if bad:
             raise ValueError(f"{kind}.captures: unknown {bad}; valid: {list(CAPTURES)}")
@@ -158,6 +170,22 @@ class Quantity:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def statistic(f, t: torch.Tensor, where: str = "a site") -> torch.Tensor:
+    """``f(t)`` (a quantity's ``site_value`` or ``site_grad``) as a 0-d fp32 tensor.
+
+    Raises:
+        TypeError: naming the quantity, the method and ``where``, when it is not a
+            one-element tensor.
+    """
+    v = f(t)
+    if not isinstance(v, torch.Tensor) or v.numel() != 1:
+        q = getattr(f, "__self__", None)
+        got = f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+        raise TypeError(f"{type(q).__name__}.{getattr(f, '__name__', 'statistic')} at {where}: must return a 0-d "
+                        f"tensor (one number per site and call, from tensor ops), got {got}")
+    return v.float().reshape(())
 
 
 def combine(values: np.ndarray, how: str, axis: int = 0) -> np.ndarray:

@@ -254,6 +254,7 @@ class Recorder:
                               self._capture.device, self._capture, buf, self._checks.warned)
             for name, quantity in self._quantities.items():
                 if name in wants:
+                    ctx.current = quantity
                     quantity.collect(ctx)
             buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f, _ in snapshots]))
             keys, values, blocks = buf.to_host()  # the one host transfer of this step

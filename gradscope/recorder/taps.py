@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from gradscope.recorder.norm_stats import isolated_grad
+from gradscope.recorder.quantity import statistic
 from gradscope.recorder.sqnorm import dense_squared_norm
 
 
@@ -21,7 +22,7 @@ def collector_grad(sq: torch.Tensor, grad: torch.Tensor, slot: int, size: int, s
     if not stats:
         return F.pad(sq.reshape(1), (slot, size - slot - 1))
     taps = size // (1 + len(stats))
-    values = torch.stack([sq.reshape(()), *(f(grad).float().reshape(()) for f in stats)])
+    values = torch.stack([sq.reshape(()), *(statistic(f, grad) for f in stats)])
     at = torch.arange(len(stats) + 1, device=grad.device) * taps + slot
     return values.new_zeros(size).index_copy(0, at, values)
 
