@@ -43,17 +43,17 @@ class Block(nn.Module):
 
 class Net(nn.Module):
     def __init__(self, d: int = 16, norm=nn.LayerNorm, post: bool = False, shared: bool = False, ckpt: bool = False,
-                 final=nn.LayerNorm) -> None:
+                 final=nn.LayerNorm, reentrant: bool = True) -> None:
         super().__init__()
         self.inp = nn.Linear(8, d)
         one = norm(d)
         self.blocks = nn.ModuleList([Block(d, one if shared else norm(d), post) for _ in range(2)])
-        self.final, self.out, self.ckpt = final(d), nn.Linear(d, 3), ckpt
+        self.final, self.out, self.ckpt, self.reentrant = final(d), nn.Linear(d, 3), ckpt, reentrant
 
     def forward(self, x):
         x = self.inp(x)
         for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=True) if self.ckpt else b(x)
+            x = checkpoint(b, x, use_reentrant=self.reentrant) if self.ckpt else b(x)
         return self.out(self.final(x))
 
 
@@ -249,3 +249,26 @@ def test_a_norm_class_wrapping_a_bare_norm_is_the_norm():
     sigma = torch.sqrt(seen["x"].var(-1, unbiased=False) + 1e-5)
     want = (norm.gamma.mean() * (1 / sigma).mean()).item()  # mean over tokens and features of gamma_f / sigma_t
     assert got["blocks.1.ln", "ln_w_over_sigma"] == pytest.approx(want, rel=1e-5)
+
+
+def test_checkpointing_under_fullgraph_compile_records_exactly():
+    """Dynamo refuses the hooks' call counting inside a checkpointed forward unless forward side
+    effects are skipped when backward recomputes; the Recorder sets that while it is open."""
+    torch.manual_seed(0)
+    model, x = Net(ckpt=True, reentrant=False), torch.randn(2, 5, 8)
+    twin = Net()
+    twin.load_state_dict(model.state_dict())
+    rec = gradscope.Recorder(model, quantities=["act_grad_norm"])
+    run = torch.compile(model, fullgraph=True)
+    with rec.step(0):
+        run(x).square().mean().backward()
+    rec.close()
+    got = rec.frame().set_index("site").value
+    outs = {}
+    hooks = [twin.blocks[i].register_forward_hook(lambda m, a, o, i=i: (o.retain_grad(), outs.__setitem__(i, o))[0])
+             for i in range(2)]
+    twin(x).square().mean().backward()
+    for h in hooks:
+        h.remove()
+    for i in range(2):
+        assert got[f"blocks.{i}.out"] == pytest.approx(outs[i].grad.norm().item(), rel=1e-5)

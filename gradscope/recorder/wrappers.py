@@ -47,24 +47,32 @@ def dist_rank() -> int:
 
 
 class HookGuards:
-    """Makes Dynamo guard on module hooks while any Recorder is open.
+    """The two Dynamo settings a Recorder needs, set while any Recorder is open and restored
+    when the last one closes.
 
-    By default Dynamo does not (``torch._dynamo.config.skip_nnmodule_hook_guards``), so a
-    compiled model of one class may run the graph traced from another instance of that
-    class, hooks or no hooks: a Recorder on the second would see no hook fire. While a
-    Recorder is open the guards are on, so an instance with the recorder's hooks and one
-    without each get their own graph; the setting is restored when the last one closes.
+    - ``skip_nnmodule_hook_guards=False``: by default Dynamo does not guard on module hooks,
+      so a compiled model of one class may run the graph traced from another instance of
+      that class, hooks or no hooks, and a Recorder on the second would see no hook fire.
+      With the guards on, an instance with the recorder's hooks and one without each get
+      their own graph.
+    - ``skip_fwd_side_effects_in_bwd_under_checkpoint=True``: the recorder's hooks count
+      calls (a Python side effect) inside a checkpointed forward, which Dynamo refuses under
+      ``fullgraph=True`` ("HOP: Unsafe side effect"). Skipping forward side effects when
+      backward recomputes is what the recorder wants anyway: a recomputed call is not a new
+      call.
     """
 
     _open = 0
-    _saved: bool | None = None
+    _saved: dict[str, object] | None = None
+    SETTINGS = {"skip_nnmodule_hook_guards": False, "skip_fwd_side_effects_in_bwd_under_checkpoint": True}
 
     @classmethod
     def acquire(cls) -> None:
         config = torch._dynamo.config
         if cls._open == 0:
-            cls._saved = config.skip_nnmodule_hook_guards
-            config.skip_nnmodule_hook_guards = False
+            cls._saved = {k: getattr(config, k) for k in cls.SETTINGS if hasattr(config, k)}
+            for k in cls._saved:
+                setattr(config, k, cls.SETTINGS[k])
         cls._open += 1
 
     @classmethod
@@ -73,4 +81,5 @@ class HookGuards:
             return
         cls._open -= 1
         if cls._open == 0 and cls._saved is not None:
-            torch._dynamo.config.skip_nnmodule_hook_guards = cls._saved
+            for k, v in cls._saved.items():
+                setattr(torch._dynamo.config, k, v)
