@@ -272,3 +272,83 @@ def test_checkpointing_under_fullgraph_compile_records_exactly():
         h.remove()
     for i in range(2):
         assert got[f"blocks.{i}.out"] == pytest.approx(outs[i].grad.norm().item(), rel=1e-5)
+
+
+class DyTNorm(nn.Module):  # Dynamic Tanh: w·tanh(a·x) + b, not of the form g·x̂ + b
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.bias, self.alpha = nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d)), nn.Parameter(torch.ones(1))
+
+    def forward(self, x):
+        return self.weight * torch.tanh(self.alpha * x) + self.bias
+
+
+class EpsOutsideNorm(nn.Module):  # w·x / (rms(x) + eps): eps outside the square root
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight, self.eps = nn.Parameter(torch.ones(d)), 1e-2
+
+    def forward(self, x):
+        return self.weight * x / (x.pow(2).mean(-1, keepdim=True).sqrt() + self.eps)
+
+
+@pytest.mark.parametrize("norm", [DyTNorm, EpsOutsideNorm])
+def test_a_norm_not_of_the_fitted_form_is_left_out_and_named(norm):
+    torch.manual_seed(0)
+    df, said = _record(Net(norm=norm, final=norm, post=True), 0.3 * torch.randn(2, 6, 8))
+    assert not {s for s in df[df.quantity == "act_grad_norm"].site if s.endswith("ln.in")}
+    # (the final norm reads a norm's output, whose flat RMS its form cannot tell apart: exact there, so kept)
+    assert not {s for s in df[df.quantity == "ln_gain"].site if s.startswith("blocks.")}
+    assert any("do not map their normalised input" in s for s in said)
+    assert not any("saw no gradient" in s for s in said), said  # the reason is said once, not twice
+
+
+def test_a_fitted_norm_on_bf16_compiles_and_is_left_out():
+    torch.manual_seed(0)
+    model = Net(norm=ScaledRMSNorm, final=ScaledRMSNorm).to(torch.bfloat16)
+    rec = gradscope.Recorder(model)
+    run = torch.compile(model, fullgraph=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rec.step(0):
+            run(torch.randn(2, 5, 8, dtype=torch.bfloat16)).float().square().mean().backward()
+    rec.close()
+    assert "ln_gain" not in set(rec.frame().quantity)
+    assert any("ran on bf16/fp16" in str(w.message) for w in caught)
+
+
+def test_roles_follow_where_a_norm_sits_not_only_where_it_is_registered():
+    class BartLike(nn.Module):  # layernorm_embedding registered after the layers, used before them
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed_tokens = nn.Embedding(11, 16)
+            self.layers = nn.ModuleList([Block(16, nn.LayerNorm(16)) for _ in range(2)])
+            self.layernorm_embedding, self.layer_norm = nn.LayerNorm(16), nn.LayerNorm(16)
+            self.head = nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.Linear(16, 11))  # a norm inside the head
+
+        def forward(self, ids):
+            x = self.layernorm_embedding(self.embed_tokens(ids))
+            for b in self.layers:
+                x = b(x)
+            return self.head(self.layer_norm(x))
+
+    rec = gradscope.Recorder(BartLike())
+    roles = dict(zip(rec.groups.groups, rec.groups.roles))
+    rec.close()
+    assert roles["layernorm_embedding"] == "embedding" and roles["layer_norm"] == "final_norm"
+    assert roles["head.1"] == "head"
+
+
+def test_a_norm_class_with_a_per_head_gain_is_named_as_left_out():
+    class HeadNorm(nn.Module):  # Cohere's q/k norm: a (heads, head_dim) gain
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(2, 4))
+
+        def forward(self, x):
+            return x
+
+    model = Net()
+    model.blocks[0].qk = HeadNorm()
+    with pytest.warns(UserWarning, match=r"\['blocks.0.qk'\] are named \*Norm but hold parameters of more than one"):
+        gradscope.Recorder(model).close()

@@ -328,12 +328,12 @@ class Capture:
             grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad
                     and torch.is_grad_enabled())
             wsig = self.want_wsig and not recompute
-            fit = fit_norm(module, x, y) if kind == "fit" and (grad or wsig) else None  # one fit serves both
-            slot = self.n_taps + j * self.K + c
-            # a closed form read from bf16/fp16 tensors is not exact (up to 5e-3 off): flagged, no rows
+            # a closed form read from bf16/fp16 tensors is not exact (up to 5e-3 off): flagged, no rows, no fit
             exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
+            fit = fit_norm(module, x, y) if kind == "fit" and (grad or wsig) and exact else None  # one fit serves both
+            slot = self.n_taps + j * self.K + c
             if fit is not None and not recompute:
-                w.put(slot, 2, fit.misfit if exact else fit.misfit.new_full((), LOW_PRECISION))
+                w.put(slot, 2, fit.misfit)
             elif not exact and kind not in (None, "ln") and (grad or wsig) and not recompute:
                 w.put(slot, 2, x.new_full((), LOW_PRECISION, dtype=torch.float32))
             if wsig:

@@ -114,8 +114,9 @@ class StepChecks:
         """Warns about sites called in the step whose value never required grad."""
         index = {p.name: i for i, p in enumerate(self.points)}
         called = (data.order != 0)[:, : data.grad_sq.shape[1]].any(axis=0)
-        none = [site for p, c, slot, site in data.slot_sites()
-                if c == 0 and called[slot] and not data.got[:, slot].any() and self.grad_expected[index[p.name]]]
+        left_out = {n.site_in for n in self.layout.norms if n.name in data.unfit}  # said already, with the reason
+        none = [site for p, c, slot, site in data.slot_sites() if c == 0 and called[slot] and not data.got[:, slot].any()
+                and self.grad_expected[index[p.name]] and p.name not in left_out]
         self._names(set(none), "saw no gradient in a step whose backward ran: the tensor there did not require grad "
                     "(a model input, or a value computed under torch.no_grad), so they have no gradient rows (act_grad_norm, "
                     "a site_grad quantity's)")

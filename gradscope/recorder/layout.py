@@ -91,6 +91,7 @@ class Layout:
     mixers: dict[str, nn.Module] = field(default_factory=dict)  # modules offering mixing_weights()
     foreign: bool = False
     group_roles: dict[str, str] = field(default_factory=dict)  # group -> PARAM_ROLES entry ("" when absent)
+    not_norms: list[str] = field(default_factory=list)  # *Norm modules left out (parameters of more than one dimension)
 
     def site_names(self) -> list[str]:
         """All site names, in module order."""
@@ -227,7 +228,7 @@ def _width(block: nn.Module) -> int | None:
     for name, m in block.named_modules():
         if is_norm(m, name):
             shape = getattr(m, "normalized_shape", None)
-            gains = [p for p in m.parameters(recurse=False) if p.dim() == 1]
+            gains = [p for p in m.parameters(recurse=False) if p.dim() == 1 and p.numel() > 1]  # not a scalar g
             if shape:
                 widths.append(int(shape[-1]))
             elif gains:
@@ -275,21 +276,25 @@ def _foreign_layout(model: nn.Module) -> Layout:
             "normalisation modules (nn.LayerNorm, nn.RMSNorm, or a leaf class named *Norm). Name sites by hand by "
             "placing gradscope.Site() modules in your forward (x = self.hook_resid(x))."
         )
-    outside, roles = _outside_groups(model, [p for p in groups if p in position])
+    outside, roles = _outside_groups(model, [p for p in groups if p in position], {st for st, _ in position.values()})
     final = {f"{g}.{end}" for g, r in roles.items() if r == "final_norm" for end in ("in", "out")}
     probes = [dataclasses.replace(p, role=f"final_{p.role}") if p.name in final and p.role in ("norm_in", "norm_out") else p
               for p in probes]
-    return Layout(probes, norms, stacks, _fill_groups(model, groups, outside), {}, foreign=True, group_roles=roles)
+    not_norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("Norm") and not is_norm(m, n)
+                 and next(m.children(), None) is None and any(p.dim() > 1 for p in m.parameters(recurse=False))]
+    return Layout(probes, norms, stacks, _fill_groups(model, groups, outside), {}, foreign=True, group_roles=roles,
+                  not_norms=not_norms)
 
 
-def _outside_groups(model: nn.Module, blocks: list[str]) -> tuple[dict, dict[str, str]]:
+def _outside_groups(model: nn.Module, blocks: list[str], stacks: set[str] = frozenset()) -> tuple[dict, dict[str, str]]:
     """A leaf group for every module outside the blocks that owns parameters (by their first
     name, so a tied LM head adds nothing twice), with its role, by where it is registered
     relative to the blocks: ``embedding`` (an ``nn.Embedding``, or anything before the first
-    block: BERT's embedding LayerNorm, a feature encoder), ``final_norm`` (the first module
-    after a list of blocks, when it is a norm: Llama's ``model.norm``, GPT-2's ``ln_f``,
-    ``nn.Transformer``'s ``encoder.norm``; or a
-    norm named ``final``, wherever it is registered: OPT's ``final_layer_norm``),
+    block, or a module named ``embed...``: BERT's embedding LayerNorm, BART's
+    ``layernorm_embedding``, a feature encoder), ``final_norm`` (a norm beside a list of
+    blocks, in the same parent, that is the first module after that list or is named
+    ``final``: Llama's ``model.norm``, GPT-2's ``ln_f``, ``nn.Transformer``'s
+    ``encoder.norm``, OPT's ``final_layer_norm``; not a norm inside a head),
     ``head`` (anything else after the last block: LM head, pooler, classifier) or ``other``
     (a module beside a block in the same list entry, as x-transformers' norms)."""
     modules = dict(model.named_modules())
@@ -305,21 +310,28 @@ def _outside_groups(model: nn.Module, blocks: list[str]) -> tuple[dict, dict[str
     ends = [max(i for name, i in order.items() if name == b or name.startswith(f"{b}.")) for b in blocks]
     taken = sorted({order[o] for o, _ in owners})
 
+    named_embed = {order[o] for o, _ in owners if "embed" in o.rpartition(".")[2].lower()}
+    parents = {st.rpartition(".")[0] for st in stacks}  # where a stack's final norm sits, beside the list
+
     def right_after_a_stack(at: int) -> bool:  # the first owner after some block list ends (nn.Transformer's encoder.norm)
         end = max((e for e in ends if e < at), default=None)
-        return end is not None and not any(end < i < at for i in taken) and not any(end < order[b] < at for b in blocks)
+        return (end is not None and not any(end < i < at and i not in named_embed for i in taken)
+                and not any(end < order[b] < at for b in blocks))
     groups: dict[str, tuple] = {}
     roles: dict[str, str] = {}
     for owner, pname in owners:
         module, group = modules[owner], owner or pname  # a parameter of the root: a group of its own
         if group not in groups:
-            if "final" in owner.rpartition(".")[2] and (is_norm(module, owner) or "norm" in owner.rpartition(".")[2].lower()):
+            beside = owner.rpartition(".")[0] in parents or not stacks
+            if "embed" in owner.rpartition(".")[2].lower():
+                roles[group] = "embedding"
+            elif beside and "final" in owner.rpartition(".")[2] and (is_norm(module, owner) or "norm" in owner.rpartition(".")[2].lower()):
                 roles[group] = "final_norm"
             elif any(owner.startswith(f"{e}.") for e in entries if e) and not any(owner.startswith(f"{b}.") for b in blocks):
                 roles[group] = "other"  # beside a block in its list entry (x-transformers: [norms, block, residual])
             elif isinstance(module, nn.Embedding) or order[owner] < first_block:
                 roles[group] = "embedding"
-            elif is_norm(module, owner) and right_after_a_stack(order[owner]):
+            elif beside and is_norm(module, owner) and right_after_a_stack(order[owner]):
                 roles[group] = "final_norm"
             elif order[owner] > last_block:
                 roles[group] = "head"

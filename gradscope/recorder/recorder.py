@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import warnings
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -118,6 +119,11 @@ class Recorder:
         self.quantities = tuple(self._quantities)
         self.every, self.slow_every = every, slow_every
         self.layout = find_layout(model, sites)
+        if self.layout.not_norms:
+            warnings.warn(f"gradscope: {self.layout.not_norms[:4]}{' ...' if len(self.layout.not_norms) > 4 else ''} "
+                          "are named *Norm but hold parameters of more than one dimension (a per-head gain, as "
+                          "Cohere's q/k norms), which the recorder does not read as a norm: they have no norm sites, "
+                          "ln_gain or w/sigma rows", stacklevel=2)
         self.groups = ParamGroups(model, self.layout)
         self.run = run if run is not None else Path(log_dir).name if log_dir is not None else "run"
         config = getattr(model, "config", None)
