@@ -352,3 +352,16 @@ def test_a_norm_class_with_a_per_head_gain_is_named_as_left_out():
     model.blocks[0].qk = HeadNorm()
     with pytest.warns(UserWarning, match=r"\['blocks.0.qk'\] are named \*Norm but hold parameters of more than one"):
         gradscope.Recorder(model).close()
+
+
+def test_a_frozen_parameter_group_has_no_gradient_row():
+    torch.manual_seed(0)
+    model = Net()
+    model.inp.requires_grad_(False)  # frozen, as Whisper's positional table
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+    df, _ = _record(model, torch.randn(2, 5, 8), quantities=["param_grad_norm", "grad_rms_over_eps"], optimizer=opt)
+    for q in ("param_grad_norm", "grad_rms_over_eps"):
+        sites = set(df[df.quantity == q].site)
+        assert "inp" not in sites and {"", "out", "blocks.0"} <= sites, (q, sites)
+    total = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None)).item()
+    assert df[(df.quantity == "param_grad_norm") & (df.site == "")].value.item() == pytest.approx(total, rel=1e-6)

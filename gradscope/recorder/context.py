@@ -102,6 +102,14 @@ class StepContext:
             self._cache["group_grad_norms"] = self.groups.group_norms(self.groups.grads())
         return self._cache["group_grad_norms"]
 
+    def groups_with_grads(self) -> list[bool]:
+        """Per parameter group: whether any of its parameters has a gradient (a frozen
+        group's norm is not 0.0 but absent). Host-side, no device work."""
+        if "with_grads" not in self._cache:
+            has = [g is not None for g in self.groups.grads()]
+            self._cache["with_grads"] = self.groups.any_member(has)
+        return self._cache["with_grads"]
+
     @property
     def signals(self):
         """The forward signals' capture (attention, sub-layer RMS, output logits):

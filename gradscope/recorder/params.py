@@ -121,6 +121,11 @@ class ParamGroups:
         sq = self.squared_norms(tensors)
         return None if sq is None else (self.membership(sq.device) @ sq).sqrt()
 
+    def any_member(self, flags: list[bool]) -> list[bool]:
+        """Per group: whether any member parameter's flag (``self.params`` order) is set."""
+        hit = torch.tensor(flags, dtype=self._membership.dtype)
+        return ((self._membership @ hit) > 0).tolist()
+
     def grads(self) -> list[torch.Tensor | None]:
         """Current ``p.grad`` of every parameter."""
         return [p.grad for p in self.params]

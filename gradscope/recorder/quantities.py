@@ -185,7 +185,7 @@ class ParamGradNorm(Quantity):
     def collect(self, ctx):
         norms = ctx.group_grad_norms()
         if norms is not None:
-            ctx.add_many(ctx.groups.keys(self.name), norms)
+            ctx.add_many(*_with_grads(ctx, ctx.groups.keys(self.name), norms))
 
 
 class DlclWeight(Quantity):
@@ -286,6 +286,15 @@ SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "ou
                      "grad_rms_over_eps")  # signals before instability (gradscope.recorder.signals)
 PRESETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES,
                                        "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
+
+
+def _with_grads(ctx, keys: list, values: torch.Tensor) -> tuple[list, torch.Tensor]:
+    """The keys and values of the parameter groups that have a gradient (all, usually)."""
+    ok = ctx.groups_with_grads()
+    if all(ok):
+        return keys, values
+    at = [i for i, k in enumerate(ok) if k]
+    return [keys[i] for i in at], values[torch.tensor(at, device=values.device)]
 
 
 def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:

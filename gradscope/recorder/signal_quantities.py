@@ -123,8 +123,10 @@ class GradRmsOverEps(_Signal):
             return
         numel = ctx.groups.membership(norms.device) @ torch.tensor(
             [float(p.numel()) for p in ctx.groups.params], device=norms.device)
-        keys = ctx.groups.keys(self.name)
-        ctx.add_many(keys, norms / numel.clamp_min(1).sqrt() / torch.tensor(eps, device=norms.device))
+        keys, rms = ctx.groups.keys(self.name), norms / numel.clamp_min(1).sqrt() / torch.tensor(eps, device=norms.device)
+        ok = ctx.groups_with_grads()  # a frozen group has no gradient, so no row
+        at = [i for i, k in enumerate(ok) if k]
+        ctx.add_many([keys[i] for i in at], rms[torch.tensor(at, device=rms.device)])
 
 
 def _group_eps(ctx) -> list[float] | None:
