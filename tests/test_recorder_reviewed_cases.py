@@ -365,3 +365,19 @@ def test_a_frozen_parameter_group_has_no_gradient_row():
         assert "inp" not in sites and {"", "out", "blocks.0"} <= sites, (q, sites)
     total = torch.sqrt(sum(p.grad.double().square().sum() for p in model.parameters() if p.grad is not None)).item()
     assert df[(df.quantity == "param_grad_norm") & (df.site == "")].value.item() == pytest.approx(total, rel=1e-6)
+
+
+def test_a_guessed_eps_is_said():
+    """Post-LN with a literal-eps norm: a norm reading another's output sees nearly equal
+    variances, where eps cannot be read from the call; it is guessed, and a warning says so."""
+    class LiteralNorm(nn.Module):  # nanoGPT's LayerNorm: F.layer_norm with a literal eps, no eps attribute
+        def __init__(self, d: int) -> None:
+            super().__init__()
+            self.weight = nn.Parameter(1 + 0.1 * torch.randn(d))
+
+        def forward(self, x):
+            return F.layer_norm(x, self.weight.shape, self.weight, None, 1e-5)
+
+    torch.manual_seed(0)
+    df, said = _record(Net(norm=LiteralNorm, final=LiteralNorm, post=True), torch.randn(2, 6, 8))
+    assert any("eps cannot be read from the call: it is taken as 5e-6" in s for s in said), said

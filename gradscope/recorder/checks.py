@@ -97,6 +97,10 @@ class StepChecks:
                     "and their tokens' variances are nearly equal and below 0.5; so they have no ln_gain, ln_w_over_sigma "
                     "or '.in' gradient rows (nn.LayerNorm and nn.RMSNorm are always exact; in your own class an "
                     "`eps` attribute settles the eps, and RMSNorm in its name the form)")
+        self._names(data.guessed - data.unfit, "name no eps, and their tokens' variances are nearly equal (as after "
+                    "another norm), so eps cannot be read from the call: it is taken as 5e-6, which keeps their "
+                    "ln_gain and '.in' rows within 1e-5 of exact for an eps up to 1e-5 (a literal eps of 1e-2 was "
+                    "measured 6e-5 off); give the module an `eps` attribute to make them exact")
         unfit = sorted(data.unfit - data.low_precision - data.untold - self.warned)
         if unfit:
             self.warned.update(unfit)

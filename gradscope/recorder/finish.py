@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradscope.recorder.capture import FWD
-from gradscope.recorder.norm_stats import UNTOLD, LOW_PRECISION
+from gradscope.recorder.norm_stats import GUESSED, LOW_PRECISION, UNTOLD
 from gradscope.recorder.quantity import Quantity
 from gradscope.recorder.step_data import StepData
 from gradscope.table.keys import Key
@@ -93,6 +93,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     worst = {n.name: misfit[base + j * K: base + (j + 1) * K].max() for j, n in enumerate(layout.norms)}
     low = {name for name, m in worst.items() if m >= LOW_PRECISION}
     untold = {name for name, m in worst.items() if UNTOLD <= m < LOW_PRECISION}
+    guessed = {name for name, m in worst.items() if GUESSED <= m <= MISFIT}
     for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows
         if n.name in unfit and n.site_in in index:
             i = index[n.site_in]
@@ -103,7 +104,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
     user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
     data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit, no_backward, low, user_values,
-                    user_grads, untold)
+                    user_grads, untold, guessed)
     rows: list = []
     for name, quantity in quantities.items():
         if name in wants and not quantity.logged:

@@ -42,6 +42,7 @@ _EPS_ATTRS = ("eps", "variance_epsilon", "epsilon")
 FIT_TOKENS = 256  # tokens a foreign norm's form, gain and eps are fitted on
 _EPS_ROUNDS = 10  # rounds of reading an unnamed eps from a call (each removes most of the last one's error)
 EPS_GUESS = 5e-6  # an unnamed eps that the call cannot tell: within 5e-6 of any eps in [0, 1e-5]
+GUESSED = 1e-10  # misfit mark: eps guessed (rows kept, a warning says so); an exact fit's misfit is ~1e-14
 _EPS_SPREAD = 0.1  # below this spread of the tokens' variances (std / mean), eps is not read from the call
 _EPS_MIN_VARIANCE = 0.5  # ...and below this mean variance, the guess is not good to 1e-5 either: no rows
 UNTOLD = 1e3  # misfit mark: the call cannot tell the norm's form or its unnamed eps (its gradient rows are left out)
@@ -89,9 +90,11 @@ def fit_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Fit | None:
     token's variance v_t, so eps = intercept / slope. Exact to rounding for any eps a
     token's variance does not swamp; where it does, eps changes nothing measurable. When the
     tokens' variances are nearly equal (spread under 10 %: a norm after a norm) that slope is
-    rounding noise, so eps is taken as :data:`EPS_GUESS`, which is within 1e-5 relative of
-    any eps up to 1e-5 when the tokens' variance is at least 0.5; below that, the call
-    cannot tell eps and ``misfit`` is :data:`UNTOLD` (no rows, and a warning). So it is when
+    rounding noise, so eps is taken as :data:`EPS_GUESS` and ``misfit`` is at least
+    :data:`GUESSED` (a warning says so: within 1e-5 relative of exact for an eps up to
+    1e-5 and a variance of at least 0.5; a literal eps of 1e-2 was measured 6e-5 off); when
+    the tokens' variance is below 0.5 as well, the call cannot tell eps and ``misfit`` is
+    :data:`UNTOLD` (no rows, and a warning). So it is when
     the input is already centred (a norm after a norm) and the class does not say RMSNorm:
     both forms then fit, and their gradients differ."""
     d = x.shape[-1]
@@ -118,6 +121,8 @@ def fit_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Fit | None:
     else:
         untold = tied
     if not named:
+        flat = torch.where(is_ln, ln[5], rms[5])
+        misfit = torch.where(flat, misfit.clamp_min(GUESSED), misfit)
         eps_untold = torch.where(is_ln, ln[4], rms[4])
         untold = eps_untold if untold is None else untold | eps_untold
     if untold is not None:
@@ -129,12 +134,12 @@ def fit_norm(module: nn.Module, x: torch.Tensor, y: torch.Tensor) -> Fit | None:
 
 
 def _fit_form(u: torch.Tensor, y: torch.Tensor, eps: float, named: bool):
-    """(gain, bias, mean squared residual, eps, eps unknown) of y ≈ g·u/σ + b,
+    """(gain, bias, mean squared residual, eps, eps unknown, eps guessed) of y ≈ g·u/σ + b,
     σ_t = sqrt(mean u_t² + eps)."""
     v = u.square().mean(dim=-1, keepdim=True)
     g, b, res = _fit_gain(u * torch.rsqrt(v + eps), y)
     if named:
-        return g, b, res, eps, None
+        return g, b, res, eps, None, None
     eps_hat = torch.as_tensor(eps, dtype=u.dtype, device=u.device)
     vt = v.squeeze(-1)
     vc = vt - vt.mean()
@@ -150,7 +155,7 @@ def _fit_form(u: torch.Tensor, y: torch.Tensor, eps: float, named: bool):
     flat = vc.square().mean().sqrt() < _EPS_SPREAD * vt.mean()  # the slope is noise: eps is not in the call
     eps_hat = torch.where(flat, torch.full_like(eps_hat, EPS_GUESS), eps_hat)
     g, b, res = _fit_gain(u * torch.rsqrt(v + eps_hat), y)
-    return g, b, res, eps_hat, flat & (vt.mean() < _EPS_MIN_VARIANCE)
+    return g, b, res, eps_hat, flat & (vt.mean() < _EPS_MIN_VARIANCE), flat
 
 
 def w_over_sigma(module: nn.Module, x: torch.Tensor, y: torch.Tensor, fit: Fit | None = None) -> torch.Tensor | None:

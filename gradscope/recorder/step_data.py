@@ -35,6 +35,7 @@ class StepData:
     user_values: dict[str, np.ndarray] = field(default_factory=dict)  # quantity -> (M, taps) of its site_value
     user_grads: dict[str, np.ndarray] = field(default_factory=dict)  # quantity -> (M, taps) of its site_grad
     untold: set[str] = field(default_factory=set)  # fitted norms whose unnamed eps the call could not tell (in unfit)
+    guessed: set[str] = field(default_factory=set)  # fitted norms whose unnamed eps was guessed (rows kept)
 
     @property
     def micro_steps(self) -> int:
