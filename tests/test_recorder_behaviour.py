@@ -70,9 +70,13 @@ def test_no_hook_left_after_close_context_and_exception():
     model = gradscope.build_model(tiny("pre_ln"))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = gradscope.Recorder(model, quantities="all", optimizer=opt)
-    assert all_hook_dicts_empty(model)  # hooks are installed with the Recorder (so torch.compile sees them)...
+    assert all_hook_dicts_empty(model) == []  # the hooks are armed only while a step records...
     with rec.step(1):
+        assert all_hook_dicts_empty(model)
         loss_fn(model, batch(model.config)).backward()
+    assert all_hook_dicts_empty(model) == []
+    with rec.step(2):
+        assert all_hook_dicts_empty(model)
     rec.close()
     assert all_hook_dicts_empty(model) == []  # ...and gone after close()
     rec = gradscope.Recorder(model, quantities="all", optimizer=opt)

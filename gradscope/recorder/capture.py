@@ -37,6 +37,7 @@ from torch import nn
 from gradscope.models.sites import Site
 from gradscope.recorder.cosine_rows import CosineRows
 from gradscope.recorder.eager import EagerGrads
+from gradscope.recorder.hookset import HookSet
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import statistic
 from gradscope.recorder.norm_stats import LOW_PRECISION, fit_norm, norm_gain, norm_kind, w_over_sigma
@@ -120,26 +121,30 @@ class Capture:
                        for o, p in zip(outputs, self.points)]
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self.grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
-        self.handles: list = []
+        self.hooks = HookSet(armed=False)  # armed only while a step records (recorder/hookset.py)
+        self.traced = False  # a hook ran inside Dynamo: the hooks then stay armed
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
 
     # -- installation -------------------------------------------------------------------
     def install(self, captures: frozenset[str] = frozenset()) -> None:
         """Registers every hook (once per Recorder); ``captures``: what the Recorder's
         quantities may capture (the forward signals' hooks are installed only if asked for)."""
-        self.handles.append(self.model.register_forward_pre_hook(self._root_pre, with_kwargs=True))
+        hooks = self.hooks
+        hooks.forward_pre(self.model, self._root_pre)
         for j, norm in enumerate(self.layout.norms):  # before the site taps: sees the norm's raw output
-            self.handles.append(norm.module.register_forward_hook(self._norm_hook(j), with_kwargs=True))
+            hooks.forward(norm.module, self._norm_hook(j))
         for i, p in enumerate(self.points):
             if p.where == "output":
-                self.handles.append(p.module.register_forward_hook(self._output_hook(i), with_kwargs=True))
+                hooks.forward(p.module, self._output_hook(i))
             else:
-                self.handles.append(p.module.register_forward_pre_hook(self._input_hook(i), with_kwargs=True))
+                hooks.forward_pre(p.module, self._input_hook(i))
         self.signals.install(attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
 
     def discard(self) -> None:
         """Disarms the hooks and drops what the open step captured so far."""
         self.on = False
+        if not self.traced:
+            self.hooks.disarm()
         self.snapshots.clear()
         self.pending_fwd.clear()
         self.pending_sq.clear()
@@ -148,9 +153,7 @@ class Capture:
     def remove(self) -> None:
         """Removes every hook and lets the buffers go."""
         self.discard()
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+        self.hooks.remove()
         self.signals.remove()
         self.collector = self.fwd = None
 
@@ -186,6 +189,7 @@ class Capture:
         self.eager.begin()
         if attention or rms or logits:
             self.signals.begin(device, attention=attention, rms=rms, logits=logits)
+        self.hooks.arm()
         self.on = True
 
     def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, np.ndarray]], list[int]]:
@@ -193,6 +197,8 @@ class Capture:
         host marks), one per backward and a last one for forward work after the last
         backward, and the call counts."""
         self.on = False
+        if not self.traced:
+            self.hooks.disarm()
         self.signals.end()
         self.snapshot(backward=False)
         snapshots, self.snapshots = self.snapshots, []
@@ -230,7 +236,10 @@ class Capture:
 
     def writer(self) -> EagerWriter | TracedWriter:
         """How the calling hook writes: traced by Dynamo, or eagerly (asked once per hook call)."""
-        return self._traced if torch.compiler.is_compiling() else self._eager_writer
+        if torch.compiler.is_compiling():
+            self.traced = True  # (a side effect Dynamo replays after the graph)
+            return self._traced
+        return self._eager_writer
 
     # -- hooks ----------------------------------------------------------------------------
     def _root_pre(self, module, args, kwargs):
