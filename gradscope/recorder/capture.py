@@ -42,7 +42,7 @@ from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import statistic
 from gradscope.recorder.norm_stats import LOW_PRECISION, fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
-from gradscope.recorder.sqnorm import Reused
+from gradscope.recorder.sqnorm import NormBatch, Reused
 from gradscope.recorder.taps import first_tensor, main_input, replace_first
 from gradscope.recorder.writers import EagerWriter, TracedWriter
 
@@ -91,6 +91,7 @@ class Capture:
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
         self.pending_sq: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖h‖²): site values, eagerly
         self.value_sq = Reused()  # eagerly, ‖h‖² once for a value two sites receive in a row
+        self.values = NormBatch()  # eagerly, site values of a model that promises no in-place op after a site
         self.eager = EagerGrads(self.snapshot, lambda: self.on, self.n_taps)  # eager gradient norms (node hooks, Taps' norms)
         self._traced, self._eager_writer = TracedWriter(self), EagerWriter(self)
         index = {p.name: i for i, p in enumerate(self.points)}
@@ -111,6 +112,7 @@ class Capture:
         outputs = [p.where == "output" and p.name not in norm_inputs for p in self.points]
         self.hooked = [o and not isinstance(p.module, Site) for o, p in zip(outputs, self.points)]  # a Site returns its input
         self._alias_ok = bool(getattr(model, "site_outputs_never_modified_in_place", False))
+        self.promised = self._alias_ok  # site values may wait to be reduced together
         # Where no in-place op can follow, an alias (a C++ node of its own) stands in for the Tap:
         # the outputs of a promising model's Sites, and the input of a fused norm that only the
         # norm reads: a SiteNorm's ``in`` Site (the zoo) or what nn.LayerNorm itself receives
@@ -148,6 +150,7 @@ class Capture:
         self.snapshots.clear()
         self.pending_fwd.clear()
         self.pending_sq.clear()
+        self.values.clear()
         self.eager.reset_backward()
 
     def remove(self) -> None:
@@ -214,24 +217,24 @@ class Capture:
             self.backwards += 1
         grads = self.collector.grad if self.collector.grad is not None else torch.zeros(self.n_collector, device=self.device)
         self.collector.grad = None
-        pending = self.eager.pending
-        if pending:
-            idx = torch.tensor([s for s, _ in pending], device=self.device)
-            grads = grads.index_add(0, idx, torch.stack([v for _, v in pending]))
+        slots, sq = _joined(*self.eager.grads.take(), self.eager.pending)
+        if slots:
+            grads = grads.index_add(0, torch.tensor(slots, device=self.device), sq.to(self.device))
         fwd = self.fwd.clone()
         if self.pending_fwd:
             rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)
             cols = torch.tensor([c for _, c, _ in self.pending_fwd], device=self.device)
             fwd.index_put_((rows, cols), torch.stack([v.float() for _, _, v in self.pending_fwd]))
-        if self.pending_sq:
-            rows = torch.tensor([s for s, _ in self.pending_sq], device=self.device)
-            fwd[rows, 1] = torch.stack([v for _, v in self.pending_sq]).sqrt()
+        slots, sq = _joined(*self.values.take(), self.pending_sq)
+        if slots:
+            fwd[torch.tensor(slots, device=self.device), 1] = sq.to(self.device).sqrt()
         self.snapshots.append((grads, fwd, self.marks.copy()))
         self.fwd.zero_()
         self.marks[:] = 0
         self.pending_fwd.clear()
         self.pending_sq.clear()
         self.eager.reset_backward()
+        self.values.clear()
         self.value_sq.clear()  # (recompute counts run on: reentrant checkpointing's inner backwards end here too)
 
     def writer(self) -> EagerWriter | TracedWriter:
@@ -291,6 +294,7 @@ class Capture:
     def passed_on(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the tapped ``t``), noted: the next site often receives this very tensor."""
         self.value_sq.passed_on(t, out)
+        self.values.passed_on(t, out)
         return out
 
     def _output_hook(self, i: int):
@@ -358,3 +362,13 @@ class Capture:
             return replace_first(output, tapped)
 
         return hook
+
+
+def _joined(slots: list[int], sq: torch.Tensor | None, pending: list[tuple[int, torch.Tensor]]
+            ) -> tuple[list[int], torch.Tensor | None]:
+    """A batch's (slots, values) followed by values that came one at a time as (slot, 0-d)."""
+    if not pending:
+        return slots, sq
+    one_by_one = torch.stack([v.float() for _, v in pending])
+    values = one_by_one if sq is None else torch.cat([sq, one_by_one.to(sq.device)])
+    return slots + [s for s, _ in pending], values

@@ -99,14 +99,20 @@ class StepContext:
         """‖grad‖ per parameter group (``groups.keys(...)`` order), computed once per step;
         None when no parameter has a gradient."""
         if "group_grad_norms" not in self._cache:
-            self._cache["group_grad_norms"] = self.groups.group_norms(self.groups.grads())
+            self._cache["group_grad_norms"] = self.groups.group_norms(self._grads())
         return self._cache["group_grad_norms"]
+
+    def _grads(self) -> list:
+        """Every parameter's ``.grad`` now (read once per step)."""
+        if "grads" not in self._cache:
+            self._cache["grads"] = self.groups.grads()
+        return self._cache["grads"]
 
     def groups_with_grads(self) -> list[bool]:
         """Per parameter group: whether any of its parameters has a gradient (a frozen
         group's norm is not 0.0 but absent). Host-side, no device work."""
         if "with_grads" not in self._cache:
-            has = [g is not None for g in self.groups.grads()]
+            has = [g is not None for g in self._grads()]
             self._cache["with_grads"] = self.groups.any_member(has)
         return self._cache["with_grads"]
 

@@ -24,9 +24,9 @@ cheaply:
 - a gradient that backward hands to two sites in a row (a layer's output is the next
   layer's input) is normed once.
 
-The squared norms (:func:`~gradscope.recorder.sqnorm.squared_norm`) wait as 0-d tensors
-until the end of that backward, when the capture gathers them in one ``index_add`` (one
-snapshot per micro-step).
+The gradients wait in a :class:`~gradscope.recorder.sqnorm.NormBatch` until the end of
+that backward, when they are reduced a stack at a time and the capture gathers the squared
+norms in one ``index_add`` (one snapshot per micro-step).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from functools import partial
 import torch
 
 from gradscope.recorder.quantity import statistic
-from gradscope.recorder.sqnorm import Reused
+from gradscope.recorder.sqnorm import NormBatch
 
 
 def hookable(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
@@ -64,11 +64,11 @@ class EagerGrads:
         self._is_on = is_on
         self._taps = taps
         self.stats: tuple = ()  # the wanted quantities' ``site_grad`` in this step
-        self.pending: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖grad‖²)
+        self.pending: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d value) of the user statistics
+        self.grads = NormBatch()  # the gradients whose ‖grad‖² the slots want (reduced together)
         self._on_backward_end = on_backward_end
         self._queued = False
         self._epoch = 0  # counts recorded steps: a hook left on a tensor of an earlier step stays silent
-        self.squared_norm = Reused()  # ‖grad‖², once for a gradient handed to two sites in a row
         self._hooked: dict[int, weakref.ref] = {}  # slot -> the tensor its node hook was put for
 
     def begin(self) -> None:
@@ -76,13 +76,13 @@ class EagerGrads:
         self._epoch += 1
         self._hooked.clear()
         self.pending.clear()
-        self.squared_norm.clear()
+        self.grads.clear()
 
     def reset_backward(self) -> None:
         """Forgets the norms taken (after the capture gathered them)."""
         self._queued = False
         self.pending.clear()
-        self.squared_norm.clear()
+        self.grads.clear()
 
     def hook(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
         """Takes ‖∂loss/∂t‖² into ``slot`` when backward reaches the node that made ``t``
@@ -98,7 +98,7 @@ class EagerGrads:
     def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
         grad = grads[output]
         if grad is not None and self.live(epoch):
-            self.add(slot, self.squared_norm(grad), grad)
+            self.add(slot, grad)
 
     @property
     def epoch(self) -> int:
@@ -110,11 +110,11 @@ class EagerGrads:
         earlier step (``retain_graph=True``) that backward runs through again."""
         return epoch == self._epoch and self._is_on()
 
-    def add(self, slot: int, sq: torch.Tensor, grad: torch.Tensor | None = None) -> None:
-        """One ‖grad‖² for ``slot`` (and the user statistics of ``grad``); the end of this
-        backward hands them to the capture."""
-        self.pending.append((slot, sq))
-        if self.stats and grad is not None:
+    def add(self, slot: int, grad: torch.Tensor) -> None:
+        """``grad`` for ``slot``: its ‖grad‖² (and user statistics); the end of this backward
+        hands them to the capture."""
+        self.grads.add(slot, grad)
+        if self.stats:
             self.pending += [(slot + (k + 1) * self._taps, statistic(f, grad)) for k, f in enumerate(self.stats)]
         if not self._queued:
             self._queued = True

@@ -81,6 +81,11 @@ class Outlet:
         for s in self.sinks:
             s.append(step, keys, values)
 
+    def writes_part_at(self, waiting: int) -> bool:
+        """Whether the ``log_dir`` sink writes a part at the next step start, after
+        ``waiting`` step starts that have not reached it yet."""
+        return self.disk is not None and self.disk.writes_part_at(waiting)
+
     def frame(self) -> pd.DataFrame | None:
         """The rows written to disk so far, or None when they are kept in memory."""
         return self.disk.frame() if self.disk is not None else None

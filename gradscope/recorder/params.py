@@ -13,6 +13,7 @@ global norms. Plain tensors (single process, DDP after its all-reduce) are used 
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -44,6 +45,7 @@ class ParamGroups:
             for pname in layout.param_groups[g][2]:
                 membership[gi, index[pname]] = 1.0
         self._membership = membership
+        self._membership_np = membership.numpy().astype(np.float64)
         self._on: dict[torch.device, torch.Tensor] = {}
 
     def keys(self, quantity: str) -> list[Key]:
@@ -123,8 +125,8 @@ class ParamGroups:
 
     def any_member(self, flags: list[bool]) -> list[bool]:
         """Per group: whether any member parameter's flag (``self.params`` order) is set."""
-        hit = torch.tensor(flags, dtype=self._membership.dtype)
-        return ((self._membership @ hit) > 0).tolist()
+        hit = np.asarray(flags, dtype=np.float64)  # host flags: no tensor is read
+        return ((self._membership_np @ hit) > 0).tolist()
 
     def grads(self) -> list[torch.Tensor | None]:
         """Current ``p.grad`` of every parameter."""

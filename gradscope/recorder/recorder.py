@@ -39,6 +39,7 @@ from gradscope.recorder.capture import Capture
 from gradscope.recorder.checks import StepChecks
 from gradscope.recorder.context import StepContext
 from gradscope.recorder.finish import SCALE, step_rows
+from gradscope.recorder.late_rows import LateRows
 from gradscope.recorder.layout import find_layout
 from gradscope.recorder.options import RecorderOptions, moved_options, positional_names
 from gradscope.recorder.outlet import Outlet, make_sinks
@@ -149,7 +150,8 @@ class Recorder:
         self._buffer: StepBuffer | None = None
         self._step: int | None = None
         self._recording = False
-        self._updates = UpdateRatioHooks(self.groups, self._out.append)
+        self._late = LateRows(self._out, self._rows)  # a step's rows are built later (recorder/late_rows.py)
+        self._updates = UpdateRatioHooks(self.groups, self._late.rows)
         self._closed = False
         self._lr_from_optimizer = optimizer is not None
         if optimizer is not None:
@@ -194,7 +196,7 @@ class Recorder:
         if not self.records(step):
             return False
         self._checks.begin(step)
-        self._out.begin(step)
+        self._late.begin(step)
         slow = step % (self.every * self.slow_every) == 0
         self._wants = {n for n, q in self._quantities.items() if slow or not q.slow}
         captures = set().union(*(self._quantities[q].captures for q in self._wants))
@@ -246,7 +248,7 @@ class Recorder:
             if self._step is None:
                 raise ValueError("Recorder.log: no open step; pass step=")
             return  # the open step is not recorded: nothing to log
-        self._out.append(step, [key], np.array([float(value)]))
+        self._late.rows(step, [key], np.array([float(value)]))
 
     # -- end of step ---------------------------------------------------------------------
     def _finish(self, step: int, wants: set[str]) -> None:
@@ -265,16 +267,22 @@ class Recorder:
             buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f, _ in snapshots]))
             keys, values, blocks = buf.to_host()  # the one host transfer of this step
             blocks["marks"] = np.stack([m for _, _, m in snapshots])
+        host = (keys, values, blocks, wants, calls, self._params_unscaled(), self._capture.backwards,
+                self._capture.grad_forwards)
+        self._late.step(step, host, now=not self._checks.ever_seen)  # (until a hook fired: checked now)
+        if "update_ratio" in wants and self.optimizer is not None:
+            self._updates.pending = step
+
+    def _rows(self, step: int, host: tuple) -> tuple[list, np.ndarray]:
+        """The rows of one recorded step from its host values (:class:`LateRows` calls it)."""
+        keys, values, blocks, wants, calls, params_unscaled, backwards, grad_forwards = host
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
                                        K=self._capture.K, quantities=self._quantities, wants=wants,
-                                       params_unscaled=self._params_unscaled(), backwards=self._capture.backwards,
-                                       grad_forwards=self._capture.grad_forwards,
+                                       params_unscaled=params_unscaled, backwards=backwards, grad_forwards=grad_forwards,
                                        value_stats=self._value_stats, grad_stats=self._grad_stats,
                                        width=self._capture.width)
         self._checks.after(step, data, calls, wants)
-        self._out.append(step, keys, values)
-        if "update_ratio" in wants and self.optimizer is not None:
-            self._updates.pending = step
+        return keys, values
 
     def _device(self) -> torch.device:
         p = next(self.model.parameters(), None)
@@ -316,6 +324,7 @@ class Recorder:
     def state_dict(self) -> dict:
         """Recorded rows and the sampling generator's state, as plain containers and tensors
         (loads with ``torch.load(weights_only=True)``)."""
+        self._late.drain()
         return {"rows": self._store.state_dict(), "generator": self._generator.get_state()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -338,6 +347,7 @@ class Recorder:
         if gather:
             from gradscope.recorder.collectives import gather_frame
             return gather_frame(self, dst=dst)
+        self._late.drain()
         disk = self._out.frame()  # with log_dir: the parts written so far and the buffer
         return disk if disk is not None else self._store.frame(run=self.run, variant=self.variant, rank=self.rank, reduction=self.reduction)
 
@@ -354,6 +364,7 @@ class Recorder:
 
     def flush(self) -> None:
         """Writes what the sinks buffer (a part file for ``log_dir``, pending tracker rows) now."""
+        self._late.drain()
         self._out.flush()
 
     def close(self) -> None:
@@ -363,7 +374,10 @@ class Recorder:
         self._capture.remove()
         self._updates.remove()
         self._closed = True
-        self._out.close()
+        try:
+            self._late.drain()
+        finally:
+            self._out.close()
 
     def __enter__(self) -> "Recorder":
         return self
@@ -374,6 +388,7 @@ class Recorder:
     @property
     def rows_in_memory(self) -> int:
         """Rows kept in memory (none beyond a flush buffer with ``log_dir``)."""
+        self._late.drain()
         return len(self._store)
 
     @property

@@ -73,7 +73,7 @@ def dense_squared_norm(t: torch.Tensor) -> torch.Tensor:
         cols = flat[:head].view(TRACED_BLOCK, -1).float().square().sum(dim=0)
         return (cols.double().sum() + flat[head:].double().square().sum()).float()
     head = n - n % BLOCK
-    if head == 0 or flat.dtype == torch.float64:
+    if n < DENSE_MIN or flat.dtype == torch.float64:  # short: one fp64 reduction (exact squares and sums)
         return torch.linalg.vector_norm(flat, dtype=torch.float64).square().float()
     rows = torch.linalg.vector_norm(flat[:head].view(-1, BLOCK), dim=1, dtype=torch.float32).double()
     sq = rows.square().sum()
@@ -97,23 +97,22 @@ def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     Returns:
         A (len(tensors),) fp32 vector.
     """
-    tensors = [_values(t).detach() for t in tensors]
-    big = [i for i, t in enumerate(tensors) if t.numel() >= DENSE_MIN]
-    small = [i for i, t in enumerate(tensors) if t.numel() < DENSE_MIN]
-    if not big:
-        return _foreach_sq(tensors)
-    if not small and len(big) == 1:
-        return squared_norm(tensors[0]).reshape(1)
-    sq = torch.empty(len(tensors), dtype=torch.float32, device=tensors[0].device)
-    sq[big] = torch.stack([squared_norm(tensors[i]) for i in big])
-    if small:
-        sq[small] = _foreach_sq([tensors[i] for i in small])
-    return sq
+    tensors = [t if t.layout == torch.strided else _values(t) for t in tensors]
+    with torch.no_grad():
+        return _short_and_long(tensors)
 
 
-def _foreach_sq(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """‖t‖² of short tensors by one fused reduction in fp64 (fp32 squares are exact there)."""
-    return torch.stack(torch._foreach_norm(tensors, 2, dtype=torch.float64)).square().float()
+def _short_and_long(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """fp64 ‖t‖² of each of ``tensors`` (strided), in order, through a :class:`NormBatch`."""
+    batch = NormBatch(limit=1 << 62)
+    for k, t in enumerate(tensors):
+        batch.add(k, t.detach())
+    slots, sq = batch.take()
+    if slots == list(range(len(tensors))):
+        return sq
+    out = torch.empty_like(sq)
+    out[torch.tensor(slots, device=sq.device)] = sq
+    return out
 
 
 class Reused:
@@ -142,6 +141,74 @@ class Reused:
         last = self._last
         if last is not None and last[0]() is t:
             self._last = (weakref.ref(out), out._version, last[2])
+
+
+
+class NormBatch:
+    """‖t‖² of many tensors handed over one at a time, reduced together when taken.
+
+    A hook hands over a site's tensor (:meth:`add`) instead of reducing it then. Short
+    tensors (fewer than ``DENSE_MIN`` elements: the host-bound case) wait, grouped by shape,
+    dtype and device, and each group is reduced as one stack in fp64 (exact squares and
+    sums), so a hundred sites cost a few reductions instead of a hundred. Long tensors are
+    reduced at once by :func:`dense_squared_norm` (there the pass over memory is the cost),
+    once for the same tensor (same object and version) handed over twice in a row: a
+    layer's output is the next layer's input, and backward hands one gradient to both.
+    Past ``limit`` waiting elements the waiting tensors are reduced at once.
+
+    A short tensor handed over must not be modified in place before it is taken (a
+    gradient during backward, or a site output of a model that promises it).
+    """
+
+    def __init__(self, limit: int = 1 << 22) -> None:
+        self.limit = limit
+        self._long = Reused()
+        self.clear()
+
+    def clear(self) -> None:
+        """Drops everything handed over."""
+        self._groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}  # (shape, dtype, device) -> (slots, tensors)
+        self._elements = 0
+        self._done: list[tuple[list[int], torch.Tensor]] = []  # (slots, fp64 ‖·‖²)
+        self._long.clear()
+
+    def add(self, slot: int, t: torch.Tensor) -> None:
+        """‖t‖² for ``slot``, taken later."""
+        n = t.numel()
+        if n >= DENSE_MIN or n == 0 or t.layout != torch.strided:
+            self._done.append(([slot], self._long(t).reshape(1).double()))
+            return
+        group = self._groups.get((t.shape, t.dtype, t.get_device()))
+        if group is None:
+            group = self._groups[(t.shape, t.dtype, t.get_device())] = ([], [])
+        group[0].append(slot)
+        group[1].append(t)
+        self._elements += n
+        if self._elements >= self.limit:
+            self._reduce()
+
+    def passed_on(self, t: torch.Tensor, out: torch.Tensor) -> None:
+        """``out`` (an alias or a tap's output) now carries the value of ``t``."""
+        self._long.passed_on(t, out)
+
+    def _reduce(self) -> None:
+        with torch.no_grad():
+            for slots, ts in self._groups.values():
+                stacked = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
+                sq = torch.linalg.vector_norm(stacked.reshape(len(ts), -1), dim=1, dtype=torch.float64).square()
+                self._done.append((slots, sq))
+        self._groups, self._elements = {}, 0
+
+    def take(self) -> tuple[list[int], torch.Tensor | None]:
+        """(slots, fp32 ‖t‖² per slot) of everything added since the last take; then clears."""
+        self._reduce()
+        done = self._done
+        self.clear()
+        if not done:
+            return [], None
+        slots = [s for part, _ in done for s in part]
+        sq = done[0][1] if len(done) == 1 else torch.cat([v.to(done[0][1].device) for _, v in done])
+        return slots, sq.float()
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:

@@ -46,7 +46,7 @@ class Tap(torch.autograd.Function):
     def backward(ctx, grad: torch.Tensor):
         if ctx.eager is not None:  # eager: hand ‖grad‖² over, no padding or summing
             if ctx.eager.live(ctx.epoch):
-                ctx.eager.add(ctx.slot, ctx.eager.squared_norm(grad), grad)
+                ctx.eager.add(ctx.slot, grad)
             return grad, None, None, None, None
         return grad, collector_grad(dense_squared_norm(grad), grad, ctx.slot, ctx.size, ctx.stats), None, None, None
 
@@ -69,11 +69,10 @@ class NormTap(torch.autograd.Function):
             return grad, *none
         x, w, is_ln = ctx.saved_tensors
         through = isolated_grad(ctx.kind, x, grad, w, is_ln, ctx.eps, ctx.dims)
-        sq = dense_squared_norm(through)
         if ctx.eager is not None:
-            ctx.eager.add(ctx.slot, sq, through)
+            ctx.eager.add(ctx.slot, through)
             return grad, *none
-        return grad, None, collector_grad(sq, through, ctx.slot, ctx.size, ctx.stats), *none[:8]
+        return grad, None, collector_grad(dense_squared_norm(through), through, ctx.slot, ctx.size, ctx.stats), *none[:8]
 
 
 def first_tensor(value) -> torch.Tensor | None:

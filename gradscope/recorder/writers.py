@@ -77,11 +77,16 @@ class EagerWriter(TracedWriter):
         self.capture.pending_fwd.append((slot, channel, value))
 
     def value(self, slot: int, t: torch.Tensor) -> None:
-        """‖t‖² waits for the snapshot (one square root for all); a site that receives the
-        very tensor (same version) the last site passed on reuses it (a layer's ``out`` is
-        the next layer's ``in``)."""
+        """‖t‖² for the snapshot (one square root for all): of a model that promises no
+        in-place op after a site (``site_outputs_never_modified_in_place``), ``t`` itself
+        waits and is reduced with the others; otherwise it is reduced now, as a later
+        in-place op would change it. A site that receives the very tensor (same version)
+        the last site passed on reuses it (a layer's ``out`` is the next layer's ``in``)."""
         c = self.capture
-        c.pending_sq.append((slot, c.value_sq(t)))
+        if c.promised:  # no in-place op can follow: reduced later, a stack at a time
+            c.values.add(slot, t)
+        else:
+            c.pending_sq.append((slot, c.value_sq(t)))
 
     def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor | None:
         """A node hook where it reads the same gradient (None: the value is kept), else an

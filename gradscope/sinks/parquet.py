@@ -86,6 +86,10 @@ class ParquetSink(Sink):
             self.flush()
         self._recorded += 1
 
+    def writes_part_at(self, waiting: int) -> bool:
+        """Whether :meth:`begin` writes a part next, once ``waiting`` more step starts came."""
+        return self._recorded + waiting >= self.flush_every
+
     def append(self, step: int, keys: list[Key], values: np.ndarray) -> None:
         if self._closed:
             raise RuntimeError(f"ParquetSink({self.log_dir}): closed; rows of step {step} cannot be written")
