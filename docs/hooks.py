@@ -1,0 +1,57 @@
+"""mkdocs hooks: pages made from the repository at build time, so they cannot drift.
+
+- ``figures/`` (PNG and the generated ``*.md``) and ``notebooks/*.ipynb`` are added to the
+  site from where they live; nothing is copied into ``docs/``.
+- ``<!-- quantities -->`` in a page becomes the quantity reference, generated from
+  :data:`gradscope.recorder.quantities.REGISTRY` by :func:`quantity_reference`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from mkdocs.plugins import event_priority
+from mkdocs.structure.files import File
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKER = "<!-- quantities -->"
+ADDED = ("figures/*.png", "figures/*.md", "figures/paper/*.png", "figures/paper/*.md", "notebooks/*.ipynb")
+
+if str(ROOT) not in sys.path:  # the checkout's gradscope, also when it is not installed
+    sys.path.insert(0, str(ROOT))
+
+
+@event_priority(100)  # before mkdocs-jupyter's on_files, which must see the notebooks
+def on_files(files, config):
+    for pattern in ADDED:
+        for path in sorted(ROOT.glob(pattern)):
+            # a File rooted at the checkout (not File.generated): mkdocs-jupyter's wrapper reads src_dir
+            files.append(File(path.relative_to(ROOT).as_posix(), src_dir=str(ROOT), dest_dir=config.site_dir,
+                              use_directory_urls=config.use_directory_urls))
+    return files
+
+
+def quantity_reference() -> str:
+    """The quantity reference: the registry's table, then one section per quantity."""
+    from gradscope.recorder.quantities import REGISTRY, reference
+
+    parts = [reference()]
+    for name, q in REGISTRY.items():
+        names = " / ".join(f"`{n}`" for n in q.names)
+        taken = ("every `every × slow_every`-th step (a recorded step that is also a slow step)" if q.slow
+                 else "when the loop logs it (`rec.log`)" if q.logged else "every recorded step (every `every`-th step)")
+        lines = [f"### {name}", "", f"{names}: {q.description}.", "",
+                 f"- **Taken**: {taken}.",
+                 f"- **Across ranks**: `{q.across_ranks}`; **over micro-batches**: `{q.over_micro_steps}`.",
+                 f"- **Spike watched**: {'yes' if q.spike_watched else 'no'}.",
+                 f"- **Paper**: {q.paper or '—'}.",
+                 f"- **Class**: `{type(q).__module__}.{type(q).__name__}`."]
+        parts.append("\n".join(lines) + "\n")
+    return "\n".join(parts)
+
+
+def on_page_markdown(markdown, page, config, files):
+    if MARKER in markdown:
+        return markdown.replace(MARKER, quantity_reference())
+    return markdown
