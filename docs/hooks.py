@@ -4,6 +4,8 @@
   site from where they live; nothing is copied into ``docs/``.
 - ``<!-- quantities -->`` in a page becomes the quantity reference, generated from
   :data:`gradscope.recorder.quantities.REGISTRY` by :func:`quantity_reference`.
+- ``<!-- results -->`` becomes ``benchmarks/RESULTS.md`` without its title, so the Benchmarks
+  page shows the file as committed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from mkdocs.structure.files import File
 
 ROOT = Path(__file__).resolve().parents[1]
 MARKER = "<!-- quantities -->"
+RESULTS = "<!-- results -->"
 ADDED = ("figures/*.png", "figures/*.md", "figures/paper/*.png", "figures/paper/*.md", "notebooks/*.ipynb")
 
 if str(ROOT) not in sys.path:  # the checkout's gradscope, also when it is not installed
@@ -51,7 +54,17 @@ def quantity_reference() -> str:
     return "\n".join(parts)
 
 
+def results_without_title() -> str:
+    """benchmarks/RESULTS.md, less its ``# `` title line (the page has its own)."""
+    lines = (ROOT / "benchmarks" / "RESULTS.md").read_text().splitlines()
+    if lines and lines[0].startswith("# "):
+        lines = lines[1:]
+    return "\n".join(lines) + "\n"
+
+
 def on_page_markdown(markdown, page, config, files):
     if MARKER in markdown:
-        return markdown.replace(MARKER, quantity_reference())
+        markdown = markdown.replace(MARKER, quantity_reference())
+    if RESULTS in markdown:
+        markdown = markdown.replace(RESULTS, results_without_title())
     return markdown
