@@ -42,14 +42,12 @@ def quantity_reference() -> str:
     parts = [reference()]
     for name, q in REGISTRY.items():
         names = " / ".join(f"`{n}`" for n in q.names)
-        taken = ("every `every × slow_every`-th step (a recorded step that is also a slow step)" if q.slow
-                 else "when the loop logs it (`rec.log`)" if q.logged else "every recorded step (every `every`-th step)")
+        taken = ("on steps whose index is a multiple of `every × slow_every` (every 10th step by default)" if q.slow
+                 else "when the loop logs it (`rec.log`)" if q.logged else "every recorded step (a multiple of `every`)")
+        spike = ", watched by `spike`" if q.spike_watched else ""
         lines = [f"### {name}", "", f"{names}: {q.description}.", "",
-                 f"- **Taken**: {taken}.",
-                 f"- **Across ranks**: `{q.across_ranks}`; **over micro-batches**: `{q.over_micro_steps}`.",
-                 f"- **Spike watched**: {'yes' if q.spike_watched else 'no'}.",
-                 f"- **Paper**: {q.paper or '—'}.",
-                 f"- **Class**: `{type(q).__module__}.{type(q).__name__}`."]
+                 f"- **Taken**: {taken}; ranks combine it by `{q.across_ranks}`{spike}.",
+                 f"- **Paper**: {q.paper or '—'}. **Class**: `{type(q).__module__}.{type(q).__name__}`."]
         parts.append("\n".join(lines) + "\n")
     return "\n".join(parts)
 
