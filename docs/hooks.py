@@ -4,6 +4,8 @@
   site from where they live; nothing is copied into ``docs/``.
 - ``<!-- quantities -->`` in a page becomes the quantity reference, generated from
   :data:`gradscope.recorder.quantities.REGISTRY` by :func:`quantity_reference`.
+- Sphinx roles left in docstrings (``:class:`x` ``, ``:func:``...) lose the role prefix in the
+  rendered API pages, so the reader sees ``x`` as code.
 - ``<!-- results -->`` becomes ``benchmarks/RESULTS.md`` without its title, so the Benchmarks
   page shows the file as committed.
 """
@@ -11,6 +13,7 @@
 from __future__ import annotations
 
 import sys
+import re
 from pathlib import Path
 
 from mkdocs.plugins import event_priority
@@ -61,8 +64,17 @@ def results_without_title() -> str:
 
 
 def on_page_markdown(markdown, page, config, files):
+    if page is not None and page.file.src_uri.startswith("figures/"):  # the generated claims tables are wide
+        page.meta.setdefault("hide", ["navigation"])
     if MARKER in markdown:
         markdown = markdown.replace(MARKER, quantity_reference())
     if RESULTS in markdown:
         markdown = markdown.replace(RESULTS, results_without_title())
     return markdown
+
+
+SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj):(?=<code)")
+
+
+def on_page_content(html, page, config, files):
+    return SPHINX_ROLE.sub("", html)
