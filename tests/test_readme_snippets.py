@@ -50,3 +50,12 @@ def test_the_zoo_quick_start_runs(capsys):
     assert set(out["stack"]) == {"encoder", "decoder"} and sorted(out.layer.unique()) == [1, 2, 3, 4, 5, 6]
     assert (out.value > 0).all()
     assert "decoder" in capsys.readouterr().out
+
+
+def test_the_plot_the_readme_names_draws_the_quick_start(capsys):
+    pytest.importorskip("transformers")
+    from gradscope import plots
+
+    df = run("hf-quickstart")["df"]
+    ax = plots.layer_norms(df, stack="model.layers")  # what the README says to call
+    assert len(ax.lines[0].get_ydata()) == 4
