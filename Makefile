@@ -1,4 +1,5 @@
 # Two entry points (see README): `make figures` (set up + main job) and `make test`.
+# `make docs` builds the docs into site/ (strict), `make docs-serve` serves them; `make test` builds them too.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
@@ -7,22 +8,29 @@ JOBS ?= 2
 # torch threads per test worker (issue 22: the suite passes at 1 and 2)
 TEST_THREADS ?= 1
 
-.PHONY: venv test figures clean
+.PHONY: venv test figures docs docs-serve clean
 
 venv: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test]"
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e ".[test,docs]"
 	touch $@
 
 test: venv
 	$(BIN)/ruff check .
 	MPLBACKEND=Agg OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -n $(JOBS) --timeout 900 tests
 
+# mkdocs-material prints a notice about its successor on every build
+docs: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
+
+docs-serve: venv
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
+
 figures: venv
 	MPLBACKEND=Agg $(BIN)/python -m analyses --preset $(PRESET) --out figures
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache site .cache

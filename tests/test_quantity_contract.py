@@ -1,10 +1,11 @@
 """The Quantity contract (issue 24): one registry from which everything about a quantity is
-read, the README's quantity table and example generated or run from the code, parts that
+read, the docs' quantity reference and example generated or run from the code, parts that
 import one way, and no reach into the Recorder's private state."""
 
 from __future__ import annotations
 
 import ast
+import importlib.util
 import re
 from pathlib import Path
 
@@ -18,7 +19,15 @@ from gradscope.recorder.quantities import PRESETS, REGISTRY, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gradscope"
-README = (ROOT / "README.md").read_text()
+DOCS = ROOT / "docs"
+
+
+def _docs_hooks():
+    """docs/hooks.py, the mkdocs hook that writes the quantity reference into the docs."""
+    spec = importlib.util.spec_from_file_location("docs_hooks", DOCS / "hooks.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def test_every_built_in_quantity_keeps_the_contract():
@@ -36,16 +45,23 @@ def test_ranks_and_spike_read_the_registry():
     assert set(spike.WATCHED) == {n for n, q in REGISTRY.items() if q.spike_watched}
 
 
-def test_the_readme_quantity_table_is_the_generated_one():
-    found = re.search(r"<!-- quantities:[^\n]*-->\n(.*?)<!-- /quantities -->", README, re.S)
-    assert found, "README lost its generated quantity table"
-    assert found[1] == reference(), "README's quantity table drifted: paste gradscope.recorder.quantities.reference()"
+def test_the_docs_quantity_reference_is_generated_from_the_registry():
+    hooks = _docs_hooks()
+    page = (DOCS / "quantities.md").read_text()
+    assert page.count(hooks.MARKER) == 1, "docs/quantities.md lost the marker the hook replaces"
+    made = hooks.on_page_markdown(page, None, None, None)
+    assert reference() in made and hooks.MARKER not in made
+    for name, q in REGISTRY.items():
+        assert f"### {name}\n" in made and q.description in made, name
+    slow = [n for n, q in REGISTRY.items() if q.slow]
+    assert slow == ["cosine", "update_ratio"] and "every × slow_every" in made
 
 
-def test_the_readme_user_quantity_example_runs(capsys):
-    block = README.split("<!-- user-quantity example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
+def test_the_docs_user_quantity_example_runs(capsys):
+    page = (DOCS / "own-quantity.md").read_text()
+    block = page.split("<!-- user-quantity example", 1)[1].split("```python\n", 1)[1].split("```", 1)[0]
     scope: dict = {}
-    exec(compile(block, "README user-quantity example", "exec"), scope)
+    exec(compile(block, "docs user-quantity example", "exec"), scope)
     df = scope["rec"].frame()
     assert {"act_max_abs", "act_grad_rms", "param_grad_max", "act_grad_norm"} <= set(df.quantity)
     norms = df[df.quantity == "act_grad_norm"].set_index("site").value
