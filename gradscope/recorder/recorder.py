@@ -121,6 +121,7 @@ class Recorder:
         for name, value in (("every", every), ("slow_every", slow_every)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        watch = replay_options(on_spike)
         model = unwrap(model)
         self.model = model
         self._quantities = resolve_quantities(quantities)
@@ -162,7 +163,6 @@ class Recorder:
         self._lr_from_optimizer = optimizer is not None
         if optimizer is not None:
             self.attach_optimizer(optimizer)
-        watch = replay_options(on_spike)
         self._replay = SpikeReplay(self, model, watch, self._grad_scale) if watch is not None else None
         HookGuards.acquire()  # compiled: an instance with our hooks never runs another's graph
         self._release_guards = weakref.finalize(self, HookGuards.release)  # by close(), or when collected
