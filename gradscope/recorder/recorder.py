@@ -409,7 +409,8 @@ class Recorder:
             from gradscope.recorder.collectives import gather_frame
             return gather_frame(self, dst=dst)
         disk = self._out.frame()  # with log_dir: the parts written so far and the buffer
-        return disk if disk is not None else self._store.frame(run=self.run_name, variant=self.variant, rank=self.rank, reduction=self.reduction)
+        return disk if disk is not None else self._store.frame(run=self.run_name, variant=self.variant, rank=self.rank,
+                                                               reduction=self.reduction)
 
     def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
         """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``).
