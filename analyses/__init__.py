@@ -10,6 +10,7 @@
 | ``warmup_free`` | Nguyen & Salazar 2019 | PreNorm / ScaleNorm train without warm-up, PostNorm does not |
 | ``convergence`` | Takase 2022 Fig. 1/6/8/9; Xu 2020 Tab. 1/3; Wang 2019 Fig. 3 | deep Post-LN fails; Lipschitz rescues |
 | ``lr_sensitivity`` | Wortsman 2023 Fig. 1, §3.1–3.2 | logit growth before divergence; qk_norm bounds it; z-loss keeps log Z near 0 |
+| ``spike_replay`` | (issue 26: spike replay) | the watch flags a planted spike, nothing else; the replay equals an always-recording run |
 | ``scan_agreement`` | (validation of ``gradscope scan``) | the step-0 scan verdict vs. converged/failed of each convergence run |
 
 ``python -m analyses --preset default --out figures`` runs them all in this order, then the
@@ -24,6 +25,6 @@ recording and training a run), :mod:`analyses.outputs` (tables, figures, CLAIMS.
 
 ANALYSES: tuple[str, ...] = (
     "grad_norms", "ln_locations", "residual_shrink", "cosine", "dlcl_weights", "warmup_free", "convergence",
-    "lr_sensitivity",
+    "lr_sensitivity", "spike_replay",
 )
 VALIDATIONS: tuple[str, ...] = ("scan_agreement",)  # run after the figures; they read their outputs

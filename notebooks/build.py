@@ -170,6 +170,49 @@ summary = report(runs / "post_ln", runs / "report", progress=False)
 Markdown(summary.read_text().split("### Figures")[0])'''),
         ("md", "## Live trackers\nThe same rows can go to TensorBoard and Weights & Biases while the run goes on (not run here):\n\n```python\nfrom gradscope.sinks import TensorBoardSink, WandbSink\nwandb.init(project=\"deep-postln\")\nrec = gradscope.Recorder(model, log_dir=\"runs/exp1\", sinks=[TensorBoardSink(\"runs/tb\"), WandbSink()])\n```\n\nSeries are named `act_grad_norm/decoder.layers.3.out`, grouped by quantity."),
     ],
+    "06_spike_replay": [
+        ("md", "# Replay a spike\nWatch every step cheaply; when one spikes, record that very step, per layer, before the optimizer applies it. `Recorder(..., every=25, on_spike=\"replay\")` with `rec.run(step, closure)`: the closure runs forward and backward of the whole step and returns the loss. The watch checks the loss and the total gradient norm (OLMo-core's 6σ rule, after 16 steps of history); on a flagged step the schedule skips, the RNG states are restored and the closure runs again, recorded, and the gradients are left as the first run made them."),
+        ("code", SETUP),
+        ("md", "## A Pre-LN decoder LM with a planted spike\nAt one step the loss is multiplied by 1000 before backward. The closure captures its batch (a loop that refills its batch tensors in place must hand it a copy); clipping reuses the watch's norm."),
+        ("code", '''from gradscope.train import make_task, label_smoothed_loss
+steps, planted, depth = (40, 33, 2) if PRESET == "ci" else (200, 163, 6)
+task = make_task("markov_lm", vocab=32, max_len=12)
+torch.manual_seed(0)
+model = gradscope.build_model(gradscope.presets.tiny(variant="pre_ln", arch="decoder", n_dec=depth, vocab=32, d_model=64,
+                                                     d_ff=256, dropout=0.1, max_len=12))
+opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
+rec = gradscope.Recorder(model, optimizer=opt, every=25, on_spike="replay", run="watched")
+watch = []
+for step in range(1, steps + 1):
+    batch = task.batch("train", step, 32)
+    def train_step(batch=batch, step=step):
+        logits = model(*task.model_inputs(batch))
+        loss = label_smoothed_loss(logits, task.targets(batch), pad_id=task.pad_id)
+        loss = loss * 1e3 if step == planted else loss       # the planted spike
+        loss.backward()
+        return loss
+    loss = rec.run(step, train_step)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 1.0, rec.grad_norm)
+    opt.step(); opt.zero_grad()
+    r = rec.watch.last
+    watch.append({"step": step, "loss": r.loss, "grad_norm": r.grad_norm, "flagged": r.flagged})
+rec.close()
+rec.watch.flagged'''),
+        ("md", "## What the table holds\nThe scheduled steps (every 25th), and the replayed one: its full rows and one `replay` row whose value is the watch's z-score."),
+        ("code", '''df = rec.frame()
+df.groupby("step").size().rename("rows")'''),
+        ("code", '''df[df.quantity.isin(["replay", "loss"]) & (df.step == planted)][["step", "quantity", "site", "value"]]'''),
+        ("md", "## Where the gradient jumped\nThe watch's two series, then the layer-output gradient norms of the replayed step against the steps recorded before and after it. A loss multiplied by 1000 scales every gradient by about 1000; a real spike would show which layers moved."),
+        ("code", '''import pandas as pd
+recorded = sorted(set(df.step) - {planted})
+neighbours = [max(s for s in recorded if s < planted), min((s for s in recorded if s > planted), default=max(recorded))]
+fig, axes = plt.subplots(1, 3, figsize=(16, 4))
+plots.spike_watch(pd.DataFrame(watch), ax=axes[0], title=f"preset {PRESET}")
+plots.replay_profile(df, step=planted, neighbours=neighbours, ax=axes[1], title=f"preset {PRESET}")
+plots.replay_profile(df, step=planted, neighbours=neighbours, ratio=True, ax=axes[2], title=f"preset {PRESET}")
+fig.tight_layout()'''),
+        ("md", "## In Lightning and the built-in loop\n`GradscopeCallback(on_spike=\"replay\", every=100)` watches every optimizer step and replays a spiking one from the batches it kept (gradient accumulation included); `gradscope.train.train(model, task, config, recorder=rec)` uses `rec.run` itself. See `docs/spike-replay.md`."),
+    ],
 }
 
 

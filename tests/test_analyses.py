@@ -94,7 +94,8 @@ def test_paper_preset_plans_the_papers_sizes(name):
     depths = {(s.model.n_enc, s.model.n_dec) for s in plan}
     expected = {"grad_norms": {(18, 18), (6, 6), (30, 6)}, "ln_locations": {(18, 18)},
                 "residual_shrink": {(18, 18)}, "cosine": {(6, 6)}, "dlcl_weights": {(30, 6)},
-                "warmup_free": {(6, 6)}, "convergence": {(18, 18), (24, 24), (6, 6)}, "lr_sensitivity": {(6, 6)}}[name]
+                "warmup_free": {(6, 6)}, "convergence": {(18, 18), (24, 24), (6, 6)}, "lr_sensitivity": {(6, 6)},
+                "spike_replay": {(6, 6)}}[name]
     assert expected <= depths
 
 

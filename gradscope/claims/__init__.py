@@ -35,6 +35,10 @@ Claims (paper / figure: rule with default thresholds; g = act_grad_norm):
 - :func:`nguyen_warmup_free` (Nguyen & Salazar 2019): pre_ln and scalenorm converged;
   post_ln did not, or its best loss is higher.
 
+- :func:`replay_flags_planted_step`, :func:`replay_flags_nothing_else`,
+  :func:`replay_rows_equal_recorded` (spike replay, issue 26): the planted spike is flagged,
+  nothing else is, and the replayed rows equal an always-recording run's to 1e-6.
+
 "Converged" is :func:`run_outcome`: finite losses and best val loss <= 0.75 × the
 untrained model's loss.
 """
@@ -62,6 +66,7 @@ from gradscope.claims.profiles import (
     xu_table2_lipschitz_closer,
     xu_table2_post_ln_shrinks,
 )
+from gradscope.claims.replay import replay_flags_nothing_else, replay_flags_planted_step, replay_rows_equal_recorded
 from gradscope.claims.training import (
     MAX_FRACTION,
     RunOutcome,
@@ -85,6 +90,9 @@ __all__ = [
     "lr_summary",
     "nguyen_warmup_free",
     "qk_norm_bounds_logits",
+    "replay_flags_nothing_else",
+    "replay_flags_planted_step",
+    "replay_rows_equal_recorded",
     "row_density",
     "run_outcome",
     "sweep_lipschitz_rescues",

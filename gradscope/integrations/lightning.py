@@ -10,9 +10,19 @@ The step opens at ``on_train_batch_start`` of the first micro-batch of an optimi
 closes at ``on_before_optimizer_step`` (after every backward, after Lightning unscales AMP
 gradients, before clipping and ``optimizer.step()``). Step index = ``trainer.global_step``.
 The recorder watches the LightningModule itself.
+
+With ``GradscopeCallback(on_spike="replay", ...)`` every optimizer step is watched (its loss,
+the sum of the micro-batches' losses as Lightning backpropagates them, and the total gradient
+norm) at ``on_before_optimizer_step``; a spiking step the schedule skips is replayed: the
+callback keeps references to the step's batches, and runs ``training_step`` and the
+module's ``backward`` on each again (loss divided by ``accumulate_grad_batches``, scaled by
+the precision plugin's GradScaler if it has one), with ``self.log`` muted, recorded
+(:mod:`gradscope.recorder.replay`). Other callbacks' backward hooks do not fire in the replay.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 from lightning.pytorch.callbacks import Callback
 
@@ -30,6 +40,8 @@ class GradscopeCallback(Callback):
     def __init__(self, **recorder_kwargs) -> None:
         self.recorder_kwargs = recorder_kwargs
         self.recorder: Recorder | None = None
+        self._batches: list = []  # (batch, batch_idx) of the open step, kept only while watching
+        self._loss = None
 
     def on_fit_start(self, trainer, pl_module):
         if self.recorder is None:
@@ -40,10 +52,22 @@ class GradscopeCallback(Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.recorder.open_step is None:
             self.recorder.begin_step(trainer.global_step)
+            self._batches, self._loss = [], None
+        if self.recorder.watch is not None:
+            self._batches.append((batch, batch_idx))
+
+    def on_before_backward(self, trainer, pl_module, loss):
+        if self.recorder.watch is not None and self.recorder.open_step is not None:
+            self._loss = loss.detach() if self._loss is None else self._loss + loss.detach()
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.recorder.open_step is not None:
+        step = self.recorder.open_step
+        if step is not None:
             self.recorder.end_step()
+            if self.recorder.watch is not None and self._loss is not None:
+                batches = self._batches
+                self.recorder.check_spike(step, self._loss, lambda: _rerun(trainer, pl_module, batches))
+            self._batches, self._loss = [], None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
@@ -55,3 +79,27 @@ class GradscopeCallback(Callback):
             if self.recorder.open_step is not None:
                 self.recorder.abort_step()
             self.recorder.close()
+
+
+def _rerun(trainer, pl_module, batches: list) -> object:
+    """The step's micro-batches again, as Lightning's automatic optimization runs them."""
+    scaler = getattr(trainer.precision_plugin, "scaler", None)
+    total = None
+    with _muted(pl_module):
+        for batch, batch_idx in batches:
+            out = trainer.strategy.training_step(batch, batch_idx)
+            loss = (out["loss"] if isinstance(out, dict) else out) / trainer.accumulate_grad_batches
+            loss = scaler.scale(loss) if scaler is not None else loss  # as on_before_backward saw it
+            pl_module.backward(loss)
+            total = loss.detach() if total is None else total + loss.detach()
+    return total
+
+
+@contextlib.contextmanager
+def _muted(pl_module):
+    """``self.log`` and ``self.log_dict`` do nothing inside (a replay logs no metrics twice)."""
+    pl_module.log = pl_module.log_dict = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        del pl_module.log, pl_module.log_dict

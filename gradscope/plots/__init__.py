@@ -21,6 +21,7 @@ Multi-panel figures are assembled in ``analyses/``.
 | :func:`scan_layers` | ``gradscope scan``'s per-layer profile |
 | :func:`layer_heatmap`, :func:`layer_series` | a run over time (``gradscope report``) |
 | :func:`lr_sensitivity`, :func:`signal_over_training` | Wortsman 2023 Fig. 1; signals before instability |
+| :func:`spike_watch`, :func:`replay_profile` | spike replay (issue 26): the watch, and where the gradient jumped |
 """
 
 from gradscope.plots.curves import depth_sweep, loss_curves, w_over_sigma_curves
@@ -36,6 +37,7 @@ from gradscope.plots.profiles import (
     scan_layers,
     w_over_sigma,
 )
+from gradscope.plots.replay import replay_profile, spike_watch
 from gradscope.table import SWEEP_COLUMNS
 from gradscope.table.select import LOCATIONS
 
@@ -54,9 +56,11 @@ __all__ = [
     "location_norms",
     "loss_curves",
     "lr_sensitivity",
+    "replay_profile",
     "scalenorm_g",
     "scan_layers",
     "signal_over_training",
+    "spike_watch",
     "w_over_sigma",
     "w_over_sigma_curves",
 ]

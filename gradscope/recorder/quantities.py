@@ -263,6 +263,20 @@ class Spike(Quantity):
         return []  # written as each step's rows pass the outlet (gradscope.recorder.spike)
 
 
+class Replay(Quantity):
+    """A step the spike watch flagged and recorded by running it again
+    (``Recorder(on_spike="replay")``, :mod:`gradscope.recorder.replay`); rows written by the replay."""
+
+    name, also_names, taken = "replay", ("replay_mismatch",), "on a step the on_spike watch flagged and replayed"
+    description = ("a step recorded by re-running it because the on_spike watch flagged its loss or gradient norm: "
+                   "value = the watch's z-score; replay_mismatch: relative difference of the replayed loss or "
+                   "gradient norm from the original, when not 0")
+    paper = "OLMo-core's loss-spike rule; Megatron's RerunStateMachine"
+
+    def rows(self, data):
+        return []  # logged by the replay (gradscope.recorder.replay)
+
+
 REGISTRY: dict[str, Quantity] = {
     q.name: q for q in (
         ActGradNorm(), ActNorm(), ParamGradNorm(), LnGain(),
@@ -270,7 +284,7 @@ REGISTRY: dict[str, Quantity] = {
         Lr(), NonFinite(), WOverSigma(), Cosine(), DlclWeight(), ScaleNormG(), UpdateRatio(),
         Logged("val_loss", "the validation loss the loop logs (rec.log('val_loss', v, step=...))"),
         AttnLogitMax(), AttnEntropy(), OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
-        Spike(),
+        Spike(), Replay(),
     )
 }
 """Quantity name -> the built-in quantity. The one source of the quantity names, presets,
@@ -344,7 +358,8 @@ def reference() -> str:
     docs and the README's table are this, so they cannot drift)."""
     lines = ["| quantity | what it is | taken | across ranks | spike watched | source |", "|---|---|---|---|---|---|"]
     for q in REGISTRY.values():
-        taken = "every slow_every-th recorded step" if q.slow else "logged by the loop" if q.logged else "every recorded step"
+        taken = q.taken or ("every slow_every-th recorded step" if q.slow else "logged by the loop" if q.logged
+                            else "every recorded step")
         name = " / ".join(f"`{n}`" for n in q.names)
         lines.append(f"| {name} | {q.description} | {taken} | {q.across_ranks} | {'yes' if q.spike_watched else ''} "
                      f"| {q.paper} |")

@@ -84,6 +84,8 @@ class Quantity:
         also_names: other ``quantity`` values its rows carry (``nonfinite`` writes
             ``nonfinite_grad`` rows too).
         logged: its values come from ``rec.log(name, value)`` in the training loop.
+        taken: when its rows are written, for the quantity reference, when that is not the
+            schedule's (``""``: every recorded step, or every ``slow_every``-th for a slow one).
     """
 
     name: ClassVar[str] = ""
@@ -97,6 +99,7 @@ class Quantity:
     over_micro_steps: ClassVar[str] = "rss"
     also_names: ClassVar[tuple[str, ...]] = ()
     logged: ClassVar[bool] = False
+    taken: ClassVar[str] = ""
 
     # -- per site, inside the graph --------------------------------------------------------
     def site_value(self, h: torch.Tensor) -> torch.Tensor | None:

@@ -27,7 +27,8 @@ import contextlib
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 from pathlib import Path
 
 import numpy as np
@@ -45,6 +46,7 @@ from gradscope.recorder.options import RecorderOptions, moved_options, positiona
 from gradscope.recorder.outlet import Outlet, make_sinks
 from gradscope.recorder.params import ParamGroups
 from gradscope.recorder.quantities import resolve_quantities
+from gradscope.recorder.replay import Reading, ReplayOptions, SpikeReplay, SpikeWatch, replay_options
 from gradscope.recorder.spike import SpikeDetector
 from gradscope.recorder.store import StepBuffer
 from gradscope.recorder.update_ratio import UpdateRatioHooks
@@ -89,6 +91,11 @@ class Recorder:
             written (default 100): at most this many are lost if the process is killed.
         sinks: more :class:`gradscope.sinks.Sink` s that receive every row as it is
             recorded (``TensorBoardSink``, ``WandbSink``); closed by ``close()``.
+        on_spike: ``"replay"`` (or a :class:`~gradscope.recorder.replay.ReplayOptions`):
+            watch every step opened by :meth:`run` (or ``begin_step`` and
+            :meth:`check_spike`) for a loss or gradient-norm spike and record a spiking step
+            that the schedule skips by running it again (:mod:`gradscope.recorder.replay`);
+            None (default): no watch.
         options: the settings most runs leave alone (``variant``, ``rank``, ``reduction``,
             ``cosine_tokens``, ``max_calls``, ``seed``): :class:`RecorderOptions`.
     """
@@ -108,12 +115,14 @@ class Recorder:
         flush_every: int = 100,
         sinks: list[Sink] | tuple = (),
         options: RecorderOptions | None = None,
+        on_spike: str | ReplayOptions | None = None,
         **moved,
     ) -> None:
         options = moved_options(moved) or options or RecorderOptions()
         for name, value in (("every", every), ("slow_every", slow_every)):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        watch = replay_options(on_spike)
         model = unwrap(model)
         self.model = model
         self._quantities = resolve_quantities(quantities)
@@ -126,7 +135,7 @@ class Recorder:
                           "Cohere's q/k norms), which the recorder does not read as a norm: they have no norm sites, "
                           "ln_gain or w/sigma rows", stacklevel=2)
         self.groups = ParamGroups(model, self.layout)
-        self.run = run if run is not None else Path(log_dir).name if log_dir is not None else "run"
+        self.run_name = run if run is not None else Path(log_dir).name if log_dir is not None else "run"
         config = getattr(model, "config", None)
         self.variant = options.variant or getattr(config, "variant", None) or type(model).__name__
         self.optimizer, self.scaler, self.options = optimizer, scaler, options
@@ -136,7 +145,7 @@ class Recorder:
         self._store = RowStore()
         watched = tuple(n for n, q in self._quantities.items() if q.spike_watched)
         self._out = Outlet(self._store, make_sinks(log_dir, flush_every, sinks),
-                           RunInfo(self.run, self.variant, self.rank, self.reduction),
+                           RunInfo(self.run_name, self.variant, self.rank, self.reduction),
                            SpikeDetector(watch=watched) if "spike" in self._quantities else None)
         self._forward_params = positional_names(model)
         self._value_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_values)
@@ -156,6 +165,7 @@ class Recorder:
         self._lr_from_optimizer = optimizer is not None
         if optimizer is not None:
             self.attach_optimizer(optimizer)
+        self._replay = SpikeReplay(self, model, watch, self._grad_scale) if watch is not None else None
         HookGuards.acquire()  # compiled: an instance with our hooks never runs another's graph
         self._release_guards = weakref.finalize(self, HookGuards.release)  # by close(), or when collected
 
@@ -186,18 +196,24 @@ class Recorder:
             raise
         self.end_step()
 
-    def begin_step(self, step: int) -> bool:
-        """Opens step ``step`` (for callbacks; prefer the ``step`` context). Returns whether it is recorded."""
+    def begin_step(self, step: int, *, replay: bool = False) -> bool:
+        """Opens step ``step`` (for callbacks; prefer the ``step`` context). Returns whether it is recorded.
+
+        With ``on_spike`` it takes the RNG states a replay restores. ``replay=True`` records
+        the step whatever the schedule, with every quantity (slow ones too).
+        """
         if self._closed:
             raise RuntimeError("Recorder.step: the recorder is closed")
         if self._step is not None:
             raise RuntimeError(f"Recorder.step({step}): step {self._step} is still open (steps do not nest)")
         self._step = step
-        if not self.records(step):
+        if self._replay is not None and not replay:
+            self._replay.before()
+        if not (replay or self.records(step)):
             return False
         self._checks.begin(step)
         self._late.begin(step)
-        slow = step % (self.every * self.slow_every) == 0
+        slow = replay or step % (self.every * self.slow_every) == 0
         self._wants = {n for n, q in self._quantities.items() if slow or not q.slow}
         captures = set().union(*(self._quantities[q].captures for q in self._wants))
         stats = any(n in self._wants for n in self._value_stats + self._grad_stats)
@@ -223,6 +239,60 @@ class Recorder:
         """Discards the open step (after an exception): nothing stored."""
         self._capture.discard()
         self._step, self._buffer, self._recording = None, None, False
+
+    def run(self, step: int, closure: Callable[[], Any], *, log_loss: bool = True) -> Any:
+        """Runs one training step's forward and backward (all its micro-batches) as ``closure()``.
+
+        The step is recorded when the schedule says so; with ``on_spike="replay"`` every step
+        is watched and a spiking step the schedule skips is run again, recorded
+        (:mod:`gradscope.recorder.replay`), its gradients left as the first run made them.
+
+        Args:
+            step: the step's index.
+            closure: forward and backward of the whole step; returns the step's loss (a 0-d
+                tensor or a number). It may run again, so it must not fetch data itself, and
+                the batch it captures must not be refilled in place while it may run.
+            log_loss: log the returned loss as ``loss`` on recorded steps (False when the
+                closure or the loop logs it).
+
+        Returns:
+            What the closure returned.
+        """
+        recorded = self.begin_step(step)
+        try:
+            out = closure()
+            if log_loss and recorded:
+                self.log("loss", out)
+        except BaseException:
+            self.abort_step()
+            raise
+        self.end_step()
+        if self._replay is not None:
+            self._replay.after(step, out, closure, recorded=recorded, log_loss=log_loss)
+        return out
+
+    def check_spike(self, step: int, loss: Any, rerun: Callable[[], Any], *, log_loss: bool = False) -> Reading:
+        """The watch for callbacks that open steps with ``begin_step``/``end_step``: after
+        ``end_step``, checks ``step``'s ``loss`` and gradient norm and replays it with
+        ``rerun`` (forward and backward of the whole step again) when it spiked unrecorded.
+
+        Raises:
+            RuntimeError: the Recorder was made without ``on_spike``.
+        """
+        if self._replay is None:
+            raise RuntimeError("Recorder.check_spike: the Recorder was made without on_spike ('replay')")
+        return self._replay.after(step, loss, rerun, recorded=self.records(step), log_loss=log_loss)
+
+    @property
+    def watch(self) -> SpikeWatch | None:
+        """The spike watch (``watch.flagged``, ``watch.last``), or None without ``on_spike``."""
+        return self._replay.watch if self._replay is not None else None
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm the watch took of the last step (0-d, on the device), for
+        ``torch.nn.utils.clip_grads_with_norm_``; None without ``on_spike``."""
+        return self._replay.grad_norm if self._replay is not None else None
 
     @property
     def open_step(self) -> int | None:
@@ -349,7 +419,8 @@ class Recorder:
             return gather_frame(self, dst=dst)
         self._late.drain()
         disk = self._out.frame()  # with log_dir: the parts written so far and the buffer
-        return disk if disk is not None else self._store.frame(run=self.run, variant=self.variant, rank=self.rank, reduction=self.reduction)
+        return disk if disk is not None else self._store.frame(run=self.run_name, variant=self.variant, rank=self.rank,
+                                                               reduction=self.reduction)
 
     def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
         """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``).

@@ -46,13 +46,20 @@ class SpikeDetector:
         window: previous values per series (default 128).
         sigmas: threshold in standard deviations above the mean (default 6).
         watch: quantities whose series are watched (default :data:`WATCHED`).
+        min_history: finite previous values a series needs before a verdict (default
+            ``window // 2``, as OLMo-core; the replay watch of
+            :mod:`gradscope.recorder.replay` uses 16).
     """
 
-    def __init__(self, window: int = WINDOW, sigmas: float = SIGMAS, watch: tuple[str, ...] = WATCHED) -> None:
+    def __init__(self, window: int = WINDOW, sigmas: float = SIGMAS, watch: tuple[str, ...] = WATCHED,
+                 min_history: int | None = None) -> None:
         if window < 4:
             raise ValueError(f"spike window: must be >= 4, got {window}")
+        min_history = window // 2 if min_history is None else min_history
+        if not 2 <= min_history <= window:
+            raise ValueError(f"spike min_history: must be between 2 and the window ({window}), got {min_history}")
         self.window, self.sigmas, self.watch = window, float(sigmas), frozenset(watch)
-        self.min_history = window // 2
+        self.min_history = min_history
         self._index: dict[tuple, int] = {}
         self._ring = np.full((0, window), np.nan)  # (series, window): previous values, NaN = empty or non-finite
         self._seen = np.zeros(0, dtype=np.int64)  # values pushed per series

@@ -17,8 +17,10 @@ One store per run: the loop logs its rows to the recorder it was given, and only
 rows (only a ``step`` context, maybe ``log``), the store is a :class:`~gradscope.train.history.History`
 (a recorder with no model quantities) that passes ``step`` and ``log`` on to it.
 
-Recorder protocol (duck-typed): ``recorder.step(step)`` returns a context manager that
-covers forward and backward and closes before ``optimizer.step()``;
+Recorder protocol (duck-typed): ``recorder.run(step, closure, log_loss=False)`` (if present,
+as ``gradscope.Recorder``'s, which may run the closure twice to replay a spike) or else
+``recorder.step(step)``, a context manager, covers forward and backward and closes before
+``optimizer.step()``;
 ``recorder.log(quantity, value, step=step)`` receives ``"loss"`` and ``"lr"`` every step and
 ``"val_loss"`` at each evaluation; ``recorder.frame()`` (with ``log``: the recorder is the
 store) returns the table; ``recorder.attach_optimizer(optimizer)`` (if present) is called
@@ -175,7 +177,7 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
             batch = tuple(t.to(device, non_blocking=True) for t in task.batch("train", step, config.batch_size))
             lr = optimizer.param_groups[0]["lr"]
             optimizer.zero_grad(set_to_none=True)
-            with store.step(step):
+            def forward_backward() -> torch.Tensor:  # may run twice: a replay (Recorder(on_spike=...))
                 logits = model(*task.model_inputs(batch))  # (B, T, vocab)
                 if logits.shape[-1] != task.vocab:
                     raise ValueError(f"model returned {logits.shape[-1]} logits per token; task.vocab={task.vocab}")
@@ -184,6 +186,13 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
                 objective = loss + config.z_loss * z_loss(logits, task.targets(batch), pad_id=task.pad_id) \
                     if config.z_loss else loss
                 objective.backward()
+                return loss
+
+            if callable(getattr(store, "run", None)):
+                loss = store.run(step, forward_backward, log_loss=False)
+            else:
+                with store.step(step):
+                    loss = forward_backward()
             value = loss.item()
             store.log("loss", value, step=step)
             store.log("lr", lr, step=step)

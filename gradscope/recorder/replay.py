@@ -1,0 +1,272 @@
+"""Replay a spike: watch every step cheaply; when one spikes, record that very step in full.
+
+``Recorder(model, optimizer=opt, every=100, on_spike="replay")`` with ``rec.run``::
+
+    for step, batch in enumerate(loader):
+        loss = rec.run(step, lambda: train_step(batch))  # forward + backward of the whole step
+        opt.step(); opt.zero_grad()
+
+**The watch** (:class:`SpikeWatch`), every step, after the closure's backward: the step's
+loss and the total gradient norm ‖g‖ over every parameter gradient (one reduction,
+``torch.nn.utils.get_total_norm``, the function ``clip_grad_norm_`` uses, so
+``torch.nn.utils.clip_grads_with_norm_(params, max_norm, rec.grad_norm)`` reuses it and
+clips exactly as ``clip_grad_norm_`` would). Both stay on the device until one transfer of
+the two numbers, the one host sync the watch needs (the verdict is due before the loop's
+``optimizer.step()``). The rule is the ``spike`` quantity's (:mod:`gradscope.recorder.spike`,
+OLMo-core's): v − mean > 6·std of the series' previous ``window`` (128) finite values, with
+a verdict once ``min_history`` (16, not half the window) values are in; a spike stays in
+the window. With a ``GradScaler`` the norm is divided by its scale first.
+
+**The replay** (:class:`SpikeReplay`), on a flagged step the schedule did not record: the
+RNG states taken before the closure (torch CPU and every initialised CUDA device, Python's
+``random``, NumPy's global generator) are restored, the step's gradients are set aside
+(``p.grad = None``), the closure runs again recorded with every quantity of the Recorder
+(slow ones too, as on a ``slow_every`` step), and afterwards the original gradient tensors,
+the model's buffers (as the original forward left them) and the RNG states (as after the
+original closure) are put back: training goes on exactly as without the watch. The table
+gets the step's full rows, a ``replay`` row (site ``""``, value: the watch's z-score, the
+larger of loss's and ‖g‖'s when both spiked) and, when the replayed loss or ‖g‖ differs
+from the original (non-deterministic kernels, a closure with side effects), a warning and
+a ``replay_mismatch`` row (value: the larger relative difference), rows kept.
+
+Only references to what the closure captures are held, and only during ``rec.run``: a loop
+that refills its batch tensors in place must hand the closure a copy.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+from torch import nn
+
+from gradscope.recorder.spike import SIGMAS, WINDOW, SpikeDetector
+from gradscope.table.keys import model_key
+
+if TYPE_CHECKING:
+    from gradscope.recorder.recorder import Recorder
+
+ON_SPIKE: tuple[str, ...] = ("replay",)
+"""The values ``Recorder(on_spike=...)`` takes besides None and a :class:`ReplayOptions`."""
+MIN_HISTORY = 16
+SERIES = ("loss", "grad_norm")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ReplayOptions:
+    """The watch's rule (``Recorder(on_spike=ReplayOptions(window=64))``; ``"replay"`` is the default).
+
+    Attributes:
+        window: previous steps per series (default 128, OLMo-core's).
+        min_history: finite previous values needed before a verdict (default 16).
+        sigmas: threshold in standard deviations above the window's mean (default 6).
+    """
+
+    window: int = WINDOW
+    min_history: int = MIN_HISTORY
+    sigmas: float = SIGMAS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.window, int) or self.window < 4:
+            raise ValueError(f"ReplayOptions.window: must be an integer >= 4, got {self.window!r}")
+        if not isinstance(self.min_history, int) or not 2 <= self.min_history <= self.window:
+            raise ValueError(f"ReplayOptions.min_history: must be an integer between 2 and window={self.window}, "
+                             f"got {self.min_history!r}")
+        if not self.sigmas > 0:
+            raise ValueError(f"ReplayOptions.sigmas: must be > 0, got {self.sigmas!r}")
+
+
+def replay_options(on_spike: str | ReplayOptions | None) -> ReplayOptions | None:
+    """The options of ``Recorder(on_spike=...)``, or None (no watch).
+
+    Raises:
+        ValueError: naming the bad value and the valid ones.
+    """
+    if on_spike is None or isinstance(on_spike, ReplayOptions):
+        return on_spike
+    if on_spike in ON_SPIKE:
+        return ReplayOptions()
+    raise ValueError(f"on_spike: must be one of {[*ON_SPIKE, None]} or a gradscope.recorder.replay.ReplayOptions, "
+                     f"got {on_spike!r}")
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What the watch saw at one step: the loss, ‖g‖, the z-score of each series that
+    spiked (NaN for one that did not) and whether the step was flagged."""
+
+    step: int
+    loss: float
+    grad_norm: float
+    z_loss: float
+    z_grad_norm: float
+    flagged: bool
+
+    @property
+    def z(self) -> float:
+        """The z-score of the series that spiked (the larger one when both did)."""
+        return max((z for z in (self.z_loss, self.z_grad_norm) if z == z), default=math.nan)
+
+
+class SpikeWatch:
+    """The spike rule on two series, the step's loss and total gradient norm.
+
+    Args:
+        options: window, history and threshold.
+    """
+
+    def __init__(self, options: ReplayOptions) -> None:
+        self.options = options
+        self._rule = SpikeDetector(options.window, options.sigmas, watch=SERIES, min_history=options.min_history)
+        self._keys = [model_key(s) for s in SERIES]
+        self.flagged: list[Reading] = []
+        self.last: Reading | None = None
+
+    def observe(self, step: int, loss: float, grad_norm: float) -> Reading:
+        """Checks one step's values against the windows, then adds them."""
+        zs = []
+        for key, value in zip(self._keys, (loss, grad_norm)):
+            hits, z = self._rule.rows([key], np.array([value]))  # one series at a time: the hit names no series
+            zs.append(float(z[0]) if hits else math.nan)
+        reading = Reading(step, loss, grad_norm, zs[0], zs[1], any(z == z for z in zs))
+        if reading.flagged:
+            self.flagged.append(reading)
+        self.last = reading
+        return reading
+
+
+class RngStates:
+    """The global random states a closure may draw from: torch's CPU generator, every
+    initialised CUDA device's, Python's ``random`` and NumPy's global generator."""
+
+    def __init__(self) -> None:
+        self.cpu = torch.get_rng_state()
+        self.cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        self.python = random.getstate()
+        self.numpy = np.random.get_state()
+
+    def restore(self) -> None:
+        """Puts every state back."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state_all(self.cuda)
+        random.setstate(self.python)
+        np.random.set_state(self.numpy)
+
+
+def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
+    """‖g‖₂ over every parameter that has a gradient (``clip_grad_norm_``'s reduction)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+
+
+class SpikeReplay:
+    """A Recorder's ``on_spike="replay"``: the watch, the RNG states, and the replay.
+
+    Args:
+        recorder: the Recorder (its public step methods record the replay).
+        model: the recorded model (its parameters' gradients and its buffers).
+        options: the watch's rule.
+        grad_scale: returns the GradScaler's current scale as a 0-d tensor, or None.
+    """
+
+    def __init__(self, recorder: Recorder, model: nn.Module, options: ReplayOptions,
+                 grad_scale: Callable[[], torch.Tensor | None]) -> None:
+        self.recorder, self.model, self.grad_scale = recorder, model, grad_scale
+        self.params = list(model.parameters())
+        self.watch = SpikeWatch(options)
+        self.grad_norm: torch.Tensor | None = None
+        self._rng: RngStates | None = None
+
+    def before(self) -> None:
+        """Takes the RNG states, before the step's closure runs."""
+        self._rng = RngStates()
+
+    def _values(self, loss) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = total_grad_norm(self.params)
+        scale = self.grad_scale()
+        watched = norm / scale.to(norm.device) if scale is not None else norm
+        if isinstance(loss, torch.Tensor):
+            value = loss.detach().float().reshape(()).to(norm.device)
+        elif isinstance(loss, (int, float)):
+            value = torch.tensor(float(loss), device=norm.device)
+        else:
+            raise TypeError(f"Recorder.run: the closure must return the step's loss (a 0-d tensor or a number), "
+                            f"got {type(loss).__name__}")
+        return norm, torch.stack([value, watched.float()])
+
+    def after(self, step: int, loss, rerun: Callable[[], object], *, recorded: bool, log_loss: bool) -> Reading:
+        """Watches the step just run; replays it when it spiked and was not recorded.
+
+        Args:
+            step: the step's index.
+            loss: what the closure returned (the step's loss).
+            rerun: runs the step's forward and backward again (the closure).
+            recorded: whether the schedule recorded the step already.
+            log_loss: log the replay's returned loss as ``loss``.
+
+        Returns:
+            The watch's reading of the step.
+        """
+        norm, values = self._values(loss)
+        self.grad_norm = norm
+        loss_value, norm_value = values.tolist()  # the watch's one host sync
+        reading = self.watch.observe(step, loss_value, norm_value)
+        if reading.flagged and not recorded:
+            self._replay(reading, rerun, log_loss)
+        self._rng = None
+        return reading
+
+    def _replay(self, reading: Reading, rerun: Callable[[], object], log_loss: bool) -> None:
+        rec, step = self.recorder, reading.step
+        if self._rng is None:
+            raise RuntimeError(f"Recorder: step {step} spiked but its RNG states were not taken before it ran "
+                               "(open the step with rec.run or rec.begin_step)")
+        after = RngStates()
+        grads = [p.grad for p in self.params]
+        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        for p in self.params:
+            p.grad = None
+        self._rng.restore()
+        try:
+            rec.begin_step(step, replay=True)
+            try:
+                out = rerun()
+                if log_loss:
+                    rec.log("loss", out)
+                rec.log("replay", reading.z)
+                _, again = self._values(out)
+            except BaseException:
+                rec.abort_step()
+                raise
+            rec.end_step()
+        finally:
+            for p, g in zip(self.params, grads):
+                p.grad = g
+            with torch.no_grad():
+                for b, saved in buffers:
+                    b.copy_(saved)
+            after.restore()
+        loss_again, norm_again = again.tolist()
+        diff = max(_relative(loss_again, reading.loss), _relative(norm_again, reading.grad_norm))
+        if diff > 0:
+            warnings.warn(f"gradscope: the replay of step {step} differs from the step as it ran (loss {reading.loss:.6g} "
+                          f"-> {loss_again:.6g}, gradient norm {reading.grad_norm:.6g} -> {norm_again:.6g}: "
+                          "non-deterministic kernels, or a closure with side effects); its rows are kept, with a "
+                          "replay_mismatch row (the larger relative difference)", stacklevel=4)
+            rec.log("replay_mismatch", diff, step=step)
+
+
+def _relative(a: float, b: float) -> float:
+    """|a − b| / |b| (0 when equal, NaN-safe: two NaNs are equal here)."""
+    if a == b or (a != a and b != b):
+        return 0.0
+    return abs(a - b) / abs(b) if b != 0 and math.isfinite(b) else math.inf
