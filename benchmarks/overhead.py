@@ -100,7 +100,8 @@ def spread(ratios: list[float], added: list[float]) -> str:
     per-pair added time (method − plain): the added milliseconds are the host cost a GPU
     user pays when the model is so narrow that the arithmetic is nothing (``--d-model 16``)."""
     q = statistics.quantiles(ratios, n=4, method="inclusive") if len(ratios) > 1 else [ratios[0]] * 3
-    return f"{statistics.median(ratios):.3f}× ({q[0]:.3f}–{q[2]:.3f}), {1e3 * statistics.median(added):+.2f} ms"
+    return (f"{statistics.median(ratios):.3f}× ({q[0]:.3f}–{q[2]:.3f}), {1e3 * statistics.median(added):+.2f} ms"
+            f" (mean {1e3 * statistics.fmean(added):+.2f})")
 
 
 def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[int], None], ref_times: list[float],
@@ -281,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     for name, cells in table.items():
         print(f"| {name} | " + " | ".join(cells) + " |")
     print("\nCells: median of per-pair step-time ratios to a plain step of the same mode (interquartile range),\n"
-          "then the median of the per-pair added time (method − plain, ms); the plain row is its median step\n"
+          "then the median of the per-pair added time (method − plain, ms) and its mean, which also holds the\n"
+          "rare steps that build the waiting rows (every 64 recorded steps); the plain row is its median step\n"
           "time. A compiled ratio compares compiled with compiled. At --d-model 16 the arithmetic is nothing\n"
           "and the added time is the host work a GPU user pays (no GPU is lent to this project).\n")
     keys = ["warm-up s", "compiles in warm-up", "compiles in timing", "graph breaks", "rows in warm-up", "rows in timed steps"]

@@ -6,7 +6,6 @@ checkpoints; prints 'step N' as each step starts so the parent can kill it mid-r
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 
@@ -17,11 +16,9 @@ from gradscope.train import TrainConfig, make_task, train
 
 
 class LoudRecorder(gradscope.Recorder):
-    @contextlib.contextmanager
-    def step(self, step):
+    def begin_step(self, step, **kwargs):
         print(f"step {step}", flush=True)
-        with super().step(step):
-            yield self
+        return super().begin_step(step, **kwargs)
 
 
 def main(out: str, steps: int) -> None:

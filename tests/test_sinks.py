@@ -47,7 +47,7 @@ def test_parquet_dataset_equals_the_in_memory_frame(tmp_path):
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
     disk = gradscope.Recorder(model, quantities="all", optimizer=opt, slow_every=2, log_dir=tmp_path / "exp1", flush_every=3)
     memory = gradscope.Recorder(model, quantities="all", optimizer=opt, slow_every=2, run="exp1")
-    assert disk.run == "exp1"  # run defaults to the log_dir's name
+    assert disk.run_name == "exp1"  # run defaults to the log_dir's name
     _train(model, [disk, memory], 7, opt)
     expected = memory.frame()
     assert set(expected.quantity) >= {"act_grad_norm", "update_ratio", "cosine", "loss"}

@@ -50,12 +50,18 @@ class HookSet:
             del hooks[handle.id], with_kwargs[handle.id]
 
     def arm(self) -> None:
-        """Puts every hook back (in registration order, after any hook added since)."""
+        """Puts every hook back where it was: before the hooks registered after it (handle
+        ids grow with registration), so a user's hook added later still sees our output."""
         if self.armed:
             return
         for hooks, with_kwargs, i, hook in self._entries:
-            hooks[i] = hook
             with_kwargs[i] = True
+            if hooks and next(reversed(hooks)) > i:  # a later hook is there: keep the registration order
+                later = [(k, hooks.pop(k)) for k in [k for k in hooks if k > i]]
+                hooks[i] = hook
+                hooks.update(later)
+            else:
+                hooks[i] = hook
         self.armed = True
 
     def disarm(self) -> None:
