@@ -27,12 +27,12 @@ import copy
 import os
 import statistics
 import sys
-import time
 
 import torch
 
 import gradscope
 from benchmarks.allocator import steady
+from benchmarks.overhead import timed
 from benchmarks.overhead_methods import loss_of, make_batch, make_model, make_optimizer, maybe_compile
 
 NAMES = ("plain", "unwatched", "watched")
@@ -69,16 +69,6 @@ def build(args: argparse.Namespace):
 
         out[name] = (step, rec)
     return out
-
-
-def timed(step, i: int, device: str) -> float:
-    if device == "cuda":
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    step(i)
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
