@@ -169,6 +169,7 @@ class NormBatch:
         """Drops everything handed over."""
         self._groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}  # (shape, dtype, device) -> (slots, tensors)
         self._elements = 0
+        self._versions: list[tuple[torch.Tensor, int]] = []  # a waiting tensor changed in place would give a stale norm
         self._done: list[tuple[list[int], torch.Tensor]] = []  # (slots, fp64 ‖·‖²)
         self._long.clear()
 
@@ -183,6 +184,7 @@ class NormBatch:
             group = self._groups[(t.shape, t.dtype, t.get_device())] = ([], [])
         group[0].append(slot)
         group[1].append(t)
+        self._versions.append((t, t._version))
         self._elements += n
         if self._elements >= self.limit:
             self._reduce()
@@ -192,6 +194,13 @@ class NormBatch:
         self._long.passed_on(t, out)
 
     def _reduce(self) -> None:
+        changed = [t for t, v in self._versions if t._version != v]
+        if changed:
+            self.clear()
+            raise RuntimeError(f"gradscope: {len(changed)} site tensor(s) of shape {tuple(changed[0].shape)} were modified "
+                               "in place after the site and before their norm was taken; the model's "
+                               "site_outputs_never_modified_in_place promise does not hold (remove it)")
+        self._versions = []
         with torch.no_grad():
             for slots, ts in self._groups.values():
                 stacked = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
