@@ -30,6 +30,8 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import torch
 from torch import nn
@@ -46,6 +48,8 @@ from gradscope.recorder.sqnorm import NormBatch, Reused
 from gradscope.recorder.taps import first_tensor, main_input, replace_first
 from gradscope.recorder.writers import EagerWriter, TracedWriter
 
+_LIVE: dict[int, Capture] = {}  # open Captures by key; a hook finds its own here (see Capture.key)
+_KEYS = itertools.count()
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm; then user statistics
 
 
@@ -66,6 +70,11 @@ class Capture:
     def __init__(self, model: nn.Module, layout: Layout, max_calls: int, token_masks, value_stats: tuple = (),
                  grad_stats: tuple = ()) -> None:
         self.model, self.layout, self.K, self.token_masks = model, layout, max_calls, token_masks
+        # Every hook reads this Capture as ``_LIVE[key]``: traced by Dynamo, that is one source
+        # for all hooks, so the compiled graph is guarded on the capture's state once rather
+        # than once per hook through each hook's closure (≈7000 guards fewer for 180 hooks).
+        self.key = next(_KEYS)
+        _LIVE[self.key] = self
         self.points = list(layout.probes)
         self.n_taps = len(self.points) * max_calls
         self.value_stats, self.grad_stats = tuple(value_stats), tuple(grad_stats)
@@ -159,6 +168,7 @@ class Capture:
         self.hooks.remove()
         self.signals.remove()
         self.collector = self.fwd = None
+        forget(self.key)
 
     # -- per recorded step ----------------------------------------------------------------
     def begin(self, device: torch.device, captures: set[str] | frozenset[str], *, cosine_tokens: int,
@@ -298,26 +308,32 @@ class Capture:
         return out
 
     def _output_hook(self, i: int):
+        key = self.key
+
         def hook(module, args, kwargs, output):
-            if not self.on:
+            cap = _LIVE.get(key)
+            if cap is None or not cap.on:
                 return None
             t = first_tensor(output)
             if t is None or not t.is_floating_point():
                 return None
-            new = self._observe(i, t, (args, kwargs))
+            new = cap._observe(i, t, (args, kwargs))
             return None if new is None else replace_first(output, new)
 
         return hook
 
     def _input_hook(self, i: int):
+        key = self.key
+
         def hook(module, args, kwargs):
-            if not self.on:
+            cap = _LIVE.get(key)
+            if cap is None or not cap.on:
                 return None
             found = main_input(args, kwargs)
             if found is None:
                 return None
             where, t = found
-            new = self._observe(i, t)
+            new = cap._observe(i, t)
             if new is None:
                 return None
             if isinstance(where, int):
@@ -328,40 +344,50 @@ class Capture:
 
     def _norm_hook(self, j: int):
         """Output hook on a norm: its w/σ, and the tap that gives the gradient through it."""
-        counter, kind, point = len(self.points) + j, self._norm_kind[j], self._norm_in[j]
+        key, counter, kind, point = self.key, len(self.points) + j, self._norm_kind[j], self._norm_in[j]
 
         def hook(module, args, kwargs, output):
-            if not self.on:
+            cap = _LIVE.get(key)
+            if cap is None or not cap.on:
                 return None
-            found, y = main_input(args, kwargs), first_tensor(output)
-            if found is None or y is None or found[1].shape != y.shape:
-                return None
-            x, w = found[1], self.writer()
-            c, recompute = w.call(counter)
-            grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad
-                    and torch.is_grad_enabled())
-            wsig = self.want_wsig and not recompute
-            # a closed form read from bf16/fp16 tensors is not exact (up to 5e-3 off): flagged, no rows, no fit
-            exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
-            fit = fit_norm(module, x, y) if kind == "fit" and (grad or wsig) and exact else None  # one fit serves both
-            slot = self.n_taps + j * self.K + c
-            if fit is not None and not recompute:
-                w.put(slot, 2, fit.misfit)
-            elif not exact and kind not in (None, "ln") and (grad or wsig) and not recompute:
-                w.put(slot, 2, x.new_full((), LOW_PRECISION, dtype=torch.float32))
-            if wsig:
-                value = w_over_sigma(module, x, y, fit)
-                if value is not None:
-                    w.mark(slot, 1.0)
-                    w.put(slot, 1, value)
-            gain = norm_gain(module, kind, x, fit) if grad else None
-            if gain is None:
-                return None
-            gain_w, is_ln, eps, dims = gain
-            tapped = w.norm_tap(y, x, point * self.K + c, kind, gain_w, is_ln, eps, dims)
-            return replace_first(output, tapped)
+            return cap._norm_output(module, args, kwargs, output, j, counter, kind, point)
 
         return hook
+
+    def _norm_output(self, module, args, kwargs, output, j: int, counter: int, kind, point):
+        found, y = main_input(args, kwargs), first_tensor(output)
+        if found is None or y is None or found[1].shape != y.shape:
+            return None
+        x, w = found[1], self.writer()
+        c, recompute = w.call(counter)
+        grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad
+                and torch.is_grad_enabled())
+        wsig = self.want_wsig and not recompute
+        # a closed form read from bf16/fp16 tensors is not exact (up to 5e-3 off): flagged, no rows, no fit
+        exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
+        fit = fit_norm(module, x, y) if kind == "fit" and (grad or wsig) and exact else None  # one fit serves both
+        slot = self.n_taps + j * self.K + c
+        if fit is not None and not recompute:
+            w.put(slot, 2, fit.misfit)
+        elif not exact and kind not in (None, "ln") and (grad or wsig) and not recompute:
+            w.put(slot, 2, x.new_full((), LOW_PRECISION, dtype=torch.float32))
+        if wsig:
+            value = w_over_sigma(module, x, y, fit)
+            if value is not None:
+                w.mark(slot, 1.0)
+                w.put(slot, 1, value)
+        gain = norm_gain(module, kind, x, fit) if grad else None
+        if gain is None:
+            return None
+        gain_w, is_ln, eps, dims = gain
+        tapped = w.norm_tap(y, x, point * self.K + c, kind, gain_w, is_ln, eps, dims)
+        return replace_first(output, tapped)
+
+
+def forget(key: int) -> None:
+    """Drops a Capture from the registry its hooks read (by ``close()``, or when its Recorder
+    is collected); hooks still installed then return at once."""
+    _LIVE.pop(key, None)
 
 
 def _joined(slots: list[int], sq: torch.Tensor | None, pending: list[tuple[int, torch.Tensor]]

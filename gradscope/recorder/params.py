@@ -13,6 +13,9 @@ global norms. Plain tensors (single process, DDP after its all-reduce) are used 
 
 from __future__ import annotations
 
+import itertools
+import operator
+
 import numpy as np
 import torch
 from torch import nn
@@ -47,10 +50,16 @@ class ParamGroups:
         self._membership = membership
         self._membership_np = membership.numpy().astype(np.float64)
         self._on: dict[torch.device, torch.Tensor] = {}
+        self._keys: dict[str, list[Key]] = {}
+        self._plans: list[sqnorm.SquaredNormPlan] = []  # the last few lists' shapes (recorder/sqnorm.py)
 
     def keys(self, quantity: str) -> list[Key]:
-        """Row keys of ``quantity`` for every group, in ``self.groups`` order."""
-        return [Key(-1, s, lay, g, quantity, None, r) for g, (s, lay), r in zip(self.groups, self.positions, self.roles)]
+        """Row keys of ``quantity`` for every group, in ``self.groups`` order (made once per quantity)."""
+        keys = self._keys.get(quantity)
+        if keys is None:
+            keys = self._keys[quantity] = [Key(-1, s, lay, g, quantity, None, r)
+                                           for g, (s, lay), r in zip(self.groups, self.positions, self.roles)]
+        return list(keys)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -69,7 +78,7 @@ class ParamGroups:
                     and list(map(len, param_dicts)) == counts):
                 params = list(map(dict.get, slot_dicts, slot_names))
                 # (not `None in params`: `in` would compare tensors elementwise)
-                if all(p is not None for p in params) and len(set(map(id, params))) == len(params):
+                if not any(map(operator.is_, params, itertools.repeat(None))) and len(set(map(id, params))) == len(params):
                     return params
         return self._walk()
 
@@ -104,8 +113,8 @@ class ParamGroups:
         present = [t for t in tensors if t is not None]
         if not present:
             return None
-        sharded = any(is_dtensor(t) for t in present)
-        stacked = sqnorm.squared_norms([local(t) for t in present] if sharded else present)
+        sharded = not set(map(type, present)) <= _PLAIN and any(is_dtensor(t) for t in present)
+        stacked = self._planned([local(t) for t in present] if sharded else present).float()
         device = stacked.device
         if len(present) == len(tensors):
             sq = stacked
@@ -117,6 +126,16 @@ class ParamGroups:
 
             sq = reduce_squared_norms(tensors, sq)
         return sq
+
+    def _planned(self, tensors: list[torch.Tensor]) -> torch.Tensor:
+        """fp64 ‖t‖² of each tensor, by a plan kept for lists of these shapes (gradients and
+        parameters each get one): :class:`~gradscope.recorder.sqnorm.SquaredNormPlan`."""
+        for plan in self._plans:
+            if plan.fits(tensors):
+                return plan(tensors)
+        plan = sqnorm.SquaredNormPlan(tensors)
+        self._plans = [plan, *self._plans[:3]]
+        return plan(tensors)
 
     def group_norms(self, tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
         """sqrt(Σ‖t‖²) per group, a vector in ``self.groups`` order, or None if nothing is present."""
@@ -131,6 +150,9 @@ class ParamGroups:
     def grads(self) -> list[torch.Tensor | None]:
         """Current ``p.grad`` of every parameter."""
         return [p.grad for p in self.params]
+
+
+_PLAIN = {torch.Tensor, nn.Parameter}  # types that are no DTensor, checked as a set
 
 
 def is_dtensor(t: torch.Tensor) -> bool:

@@ -36,7 +36,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from gradscope.recorder.capture import Capture
+from gradscope.recorder.capture import Capture, forget
 from gradscope.recorder.checks import StepChecks
 from gradscope.recorder.context import StepContext
 from gradscope.recorder.finish import SCALE, step_rows
@@ -150,7 +150,8 @@ class Recorder:
         self._forward_params = positional_names(model)
         self._value_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_values)
         self._grad_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_grads)
-        self._capture = Capture(model, self.layout, options.max_calls, self._token_masks,
+        masks = weakref.WeakMethod(self._token_masks)  # the capture outlives no Recorder (capture.forget)
+        self._capture = Capture(model, self.layout, options.max_calls, lambda args, kwargs: masks()(args, kwargs),
                                 value_stats=[self._quantities[n].site_value for n in self._value_stats],
                                 grad_stats=[self._quantities[n].site_grad for n in self._grad_stats])
         self._capture.install(frozenset().union(*(q.captures for q in self._quantities.values())))
@@ -168,6 +169,7 @@ class Recorder:
         self._replay = SpikeReplay(self, model, watch, self._grad_scale) if watch is not None else None
         HookGuards.acquire()  # compiled: an instance with our hooks never runs another's graph
         self._release_guards = weakref.finalize(self, HookGuards.release)  # by close(), or when collected
+        weakref.finalize(self, forget, self._capture.key)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Measures ``update_ratio`` around ``optimizer.step()`` (hooks removed by ``close``).
