@@ -96,7 +96,7 @@ class Capture:
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor, np.ndarray]] = []
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step
-        self.marks = np.zeros(self.n_slots)
+        self.marks = [0.0] * self.n_slots  # a list: setting an item costs a tenth of a numpy array's
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
         self.pending_sq: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖h‖²): site values, eagerly
         self.value_sq = Reused()  # eagerly, ‖h‖² once for a value two sites receive in a row
@@ -187,7 +187,7 @@ class Capture:
             self.cosine.forget()
         self.collector.grad = None
         self.fwd.zero_()
-        self.marks[:] = 0
+        self.marks = [0.0] * self.n_slots
         self.discard()
         self.want_value, self.want_wsig, self.want_cosine = value, wsig, cosine
         self.stats_now = stats and bool(self.value_stats or self.grad_stats)
@@ -238,9 +238,9 @@ class Capture:
         slots, sq = _joined(*self.values.take(), self.pending_sq)
         if slots:
             fwd[torch.tensor(slots, device=self.device), 1] = sq.to(self.device).sqrt()
-        self.snapshots.append((grads, fwd, self.marks.copy()))
+        self.snapshots.append((grads, fwd, np.array(self.marks)))
         self.fwd.zero_()
-        self.marks[:] = 0
+        self.marks = [0.0] * self.n_slots
         self.pending_fwd.clear()
         self.pending_sq.clear()
         self.eager.reset_backward()

@@ -97,7 +97,11 @@ class EagerGrads:
 
     def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
         grad = grads[output]
-        if grad is not None and self.live(epoch):
+        if grad is None or epoch != self._epoch or not self._is_on():  # (live(), inlined: once per site)
+            return
+        if self._queued and not self.stats:
+            self.grads.add(slot, grad)
+        else:
             self.add(slot, grad)
 
     @property

@@ -169,6 +169,8 @@ class SquaredNormPlan:
 
 
 _shape = operator.attrgetter("shape")
+_dtype = operator.attrgetter("dtype")
+_version = operator.attrgetter("_version")
 
 
 class Reused:
@@ -203,29 +205,33 @@ class Reused:
 class NormBatch:
     """‖t‖² of many tensors handed over one at a time, reduced together when taken.
 
-    A hook hands over a site's tensor (:meth:`add`) instead of reducing it then. Short
-    tensors (fewer than ``DENSE_MIN`` elements: the host-bound case) wait, grouped by shape,
-    dtype and device, and each group is reduced as one stack in fp64 (exact squares and
-    sums), so a hundred sites cost a few reductions instead of a hundred. Long tensors are
-    reduced at once by :func:`dense_squared_norm` (there the pass over memory is the cost),
-    once for the same tensor (same object and version) handed over twice in a row: a
-    layer's output is the next layer's input, and backward hands one gradient to both.
-    Past ``limit`` waiting elements the waiting tensors are reduced at once.
+    A hook hands over a site's tensor (:meth:`add`) instead of reducing it then: a short
+    tensor (fewer than ``DENSE_MIN`` elements: the host-bound case) is only appended to a
+    list, and :meth:`take` reduces the list with a :class:`SquaredNormPlan` kept for its
+    shapes (a few concatenations, fp64 squares and sums), so a hundred sites cost a few
+    reductions instead of a hundred. Long tensors are reduced at once by
+    :func:`squared_norm` (there the pass over memory is the cost), once for the same tensor
+    (same object and version) handed over twice in a row: a layer's output is the next
+    layer's input, and backward hands one gradient to both. Past ``limit`` waiting elements
+    the waiting tensors are reduced at once.
 
     A short tensor handed over must not be modified in place before it is taken (a
-    gradient during backward, or a site output of a model that promises it).
+    gradient during backward, or a site output of a model that promises it); one that was
+    raises at :meth:`take`.
     """
 
     def __init__(self, limit: int = 1 << 22) -> None:
         self.limit = limit
         self._long = Reused()
+        self._plans: dict[tuple, SquaredNormPlan] = {}  # by the waiting tensors' shapes and dtypes
         self.clear()
 
     def clear(self) -> None:
         """Drops everything handed over."""
-        self._groups: dict[tuple, tuple[list[int], list[torch.Tensor]]] = {}  # (shape, dtype, device) -> (slots, tensors)
+        self._slots: list[int] = []
+        self._tensors: list[torch.Tensor] = []
+        self._versions: list[int] = []  # a waiting tensor changed in place would give a stale norm
         self._elements = 0
-        self._versions: list[tuple[torch.Tensor, int]] = []  # a waiting tensor changed in place would give a stale norm
         self._done: list[tuple[list[int], torch.Tensor]] = []  # (slots, fp64 ‖·‖²)
         self._long.clear()
 
@@ -235,12 +241,9 @@ class NormBatch:
         if n >= DENSE_MIN or n == 0 or t.layout != torch.strided:
             self._done.append(([slot], self._long(t).reshape(1).double()))
             return
-        group = self._groups.get((t.shape, t.dtype, t.get_device()))
-        if group is None:
-            group = self._groups[(t.shape, t.dtype, t.get_device())] = ([], [])
-        group[0].append(slot)
-        group[1].append(t)
-        self._versions.append((t, t._version))
+        self._slots.append(slot)
+        self._tensors.append(t)
+        self._versions.append(t._version)
         self._elements += n
         if self._elements >= self.limit:
             self._reduce()
@@ -250,19 +253,23 @@ class NormBatch:
         self._long.passed_on(t, out)
 
     def _reduce(self) -> None:
-        changed = [t for t, v in self._versions if t._version != v]
-        if changed:
+        tensors = self._tensors
+        if not tensors:
+            return
+        if list(map(_version, tensors)) != self._versions:
+            changed = [t for t, v in zip(tensors, self._versions) if t._version != v]
             self.clear()
             raise RuntimeError(f"gradscope: {len(changed)} site tensor(s) of shape {tuple(changed[0].shape)} were modified "
                                "in place after the site and before their norm was taken; the model's "
                                "site_outputs_never_modified_in_place promise does not hold (remove it)")
-        self._versions = []
-        with torch.no_grad():
-            for slots, ts in self._groups.values():
-                stacked = torch.stack(ts) if len(ts) > 1 else ts[0].unsqueeze(0)
-                sq = torch.linalg.vector_norm(stacked.reshape(len(ts), -1), dim=1, dtype=torch.float64).square()
-                self._done.append((slots, sq))
-        self._groups, self._elements = {}, 0
+        key = (tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)))
+        plan = self._plans.get(key)
+        if plan is None:
+            if len(self._plans) >= 16:  # shapes that keep changing (variable sequence lengths): keep a few
+                self._plans.clear()
+            plan = self._plans[key] = SquaredNormPlan(tensors)
+        self._done.append((self._slots, plan(tensors)))
+        self._slots, self._tensors, self._versions, self._elements = [], [], [], 0
 
     def take(self) -> tuple[list[int], torch.Tensor | None]:
         """(slots, fp32 ‖t‖² per slot) of everything added since the last take; then clears."""
@@ -271,7 +278,7 @@ class NormBatch:
         self.clear()
         if not done:
             return [], None
-        slots = [s for part, _ in done for s in part]
+        slots = done[0][0] if len(done) == 1 else [s for part, _ in done for s in part]
         sq = done[0][1] if len(done) == 1 else torch.cat([v.to(done[0][1].device) for _, v in done])
         return slots, sq.float()
 
