@@ -133,7 +133,6 @@ class Capture:
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self.grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self.hooks = HookSet(armed=False)  # armed only while a step records (recorder/hookset.py)
-        self.traced = False  # a hook ran inside Dynamo: the hooks then stay armed
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
 
     # -- installation -------------------------------------------------------------------
@@ -154,8 +153,7 @@ class Capture:
     def discard(self) -> None:
         """Disarms the hooks and drops what the open step captured so far."""
         self.on = False
-        if not self.traced:
-            self.hooks.disarm()
+        self.hooks.disarm()
         self.snapshots.clear()
         self.pending_fwd.clear()
         self.pending_sq.clear()
@@ -210,8 +208,7 @@ class Capture:
         host marks), one per backward and a last one for forward work after the last
         backward, and the call counts."""
         self.on = False
-        if not self.traced:
-            self.hooks.disarm()
+        self.hooks.disarm()
         self.signals.end()
         self.snapshot(backward=False)
         snapshots, self.snapshots = self.snapshots, []
@@ -250,7 +247,6 @@ class Capture:
     def writer(self) -> EagerWriter | TracedWriter:
         """How the calling hook writes: traced by Dynamo, or eagerly (asked once per hook call)."""
         if torch.compiler.is_compiling():
-            self.traced = True  # (a side effect Dynamo replays after the graph)
             return self._traced
         return self._eager_writer
 
