@@ -93,6 +93,7 @@ class Capture:
         self.device: torch.device | None = None
         self.collector: torch.Tensor | None = None
         self.fwd: torch.Tensor | None = None  # (n_slots, width): [±order (negative: not tapped), value, misfit, user...]
+        self._indices: list[tuple[list[int], torch.Tensor] | None] = [None, None]  # (slots, on the device): Capture._index
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
         self.snapshots: list[tuple[torch.Tensor, torch.Tensor, np.ndarray]] = []
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step
@@ -159,6 +160,7 @@ class Capture:
         self.pending_sq.clear()
         self.values.clear()
         self.eager.reset_backward()
+        self.eager.forget()
 
     def remove(self) -> None:
         """Removes every hook and lets the buffers go."""
@@ -182,6 +184,7 @@ class Capture:
             self.collector = torch.zeros(self.n_collector, device=device, requires_grad=True)
             self.collector.register_post_accumulate_grad_hook(lambda collector: self.snapshot())
             self.fwd = torch.zeros(self.n_slots, self.width, device=device)
+            self._indices = [None, None]
             self.cosine.forget()
         self.collector.grad = None
         self.fwd.zero_()
@@ -207,11 +210,14 @@ class Capture:
         """Disarms the hooks; returns the step's snapshots (‖grad‖² per tap, forward buffer,
         host marks), one per backward and a last one for forward work after the last
         backward, and the call counts."""
+        if self.eager.unread():  # a backward whose end no hook saw: its gradients are its own micro-step
+            self.snapshot()
         self.on = False
         self.hooks.disarm()
         self.signals.end()
         self.snapshot(backward=False)
         snapshots, self.snapshots = self.snapshots, []
+        self.eager.forget()  # the retained aliases (and the graph they hold) go now, not at the next step
         return snapshots, list(self.calls)
 
     def snapshot(self, backward: bool = True) -> None:
@@ -224,9 +230,9 @@ class Capture:
             self.backwards += 1
         grads = self.collector.grad if self.collector.grad is not None else torch.zeros(self.n_collector, device=self.device)
         self.collector.grad = None
-        slots, sq = _joined(*self.eager.grads.take(), self.eager.pending)
+        slots, sq = _joined(*self.eager.take(), self.eager.pending)
         if slots:
-            grads = grads.index_add(0, torch.tensor(slots, device=self.device), sq.to(self.device))
+            grads = grads.index_add(0, self._index(slots, 0), sq.to(self.device))
         fwd = self.fwd.clone()
         if self.pending_fwd:
             rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)
@@ -234,7 +240,7 @@ class Capture:
             fwd.index_put_((rows, cols), torch.stack([v.float() for _, _, v in self.pending_fwd]))
         slots, sq = _joined(*self.values.take(), self.pending_sq)
         if slots:
-            fwd[torch.tensor(slots, device=self.device), 1] = sq.to(self.device).sqrt()
+            fwd[self._index(slots, 1), 1] = sq.to(self.device).sqrt()
         self.snapshots.append((grads, fwd, np.array(self.marks)))
         self.fwd.zero_()
         self.marks = [0.0] * self.n_slots
@@ -243,6 +249,14 @@ class Capture:
         self.eager.reset_backward()
         self.values.clear()
         self.value_sq.clear()  # (recompute counts run on: reentrant checkpointing's inner backwards end here too)
+
+    def _index(self, slots: list[int], which: int) -> torch.Tensor:
+        """``torch.tensor(slots)`` on the device, reused while the slots come in the same order
+        (they do, step after step): gradients (``which`` 0) and values (1) keep one each."""
+        cached = self._indices[which]
+        if cached is None or cached[0] != slots:
+            cached = self._indices[which] = (list(slots), torch.tensor(slots, device=self.device))
+        return cached[1]
 
     def writer(self) -> EagerWriter | TracedWriter:
         """How the calling hook writes: traced by Dynamo, or eagerly (asked once per hook call)."""

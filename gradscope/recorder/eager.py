@@ -31,6 +31,8 @@ norms in one ``index_add`` (one snapshot per micro-step).
 
 from __future__ import annotations
 
+import itertools
+import operator
 import weakref
 from collections.abc import Callable
 from functools import partial
@@ -38,7 +40,7 @@ from functools import partial
 import torch
 
 from gradscope.recorder.quantity import statistic
-from gradscope.recorder.sqnorm import NormBatch
+from gradscope.recorder.sqnorm import DENSE_MIN, NormBatch
 
 
 def hookable(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
@@ -70,11 +72,15 @@ class EagerGrads:
         self._queued = False
         self._epoch = 0  # counts recorded steps: a hook left on a tensor of an earlier step stays silent
         self._hooked: dict[int, weakref.ref] = {}  # slot -> the tensor its node hook was put for
+        self._retained: list[torch.Tensor] = []  # this step's aliases that keep their gradient (retain)
+        self._retained_slots: list[int] = []
+        self._last_retained = 1 << 62  # slot of the last alias retained: a lower one starts a new pass
 
     def begin(self) -> None:
         """A new recorded step."""
         self._epoch += 1
         self._hooked.clear()
+        self.forget()
         self.pending.clear()
         self.grads.clear()
 
@@ -83,6 +89,58 @@ class EagerGrads:
         self._queued = False
         self.pending.clear()
         self.grads.clear()
+
+    def retain(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
+        """Like :meth:`hook`, for an alias of ours that nothing modifies in place (a promising
+        model's site output, a fused norm's input). A short one (the host-bound case) keeps
+        its gradient by ``retain_grad`` (a C++ hook: no Python runs for it in backward), and
+        the end of each backward reads every kept gradient at once (:meth:`take`). One node
+        hook, on the first such alias of each forward pass (where backward ends), queues
+        that reading; gradients no such hook saw are read when the step ends."""
+        if recompute or t.numel() >= DENSE_MIN:
+            self.hook(t, slot, recompute)
+            return
+        t.retain_grad()
+        if slot <= self._last_retained:  # a new forward pass (or a shared module's next call)
+            t.grad_fn.register_prehook(partial(self._wake, self._epoch))
+        self._last_retained = slot
+        self._retained_slots.append(slot)
+        self._retained.append(t)
+
+    def _wake(self, epoch: int, grads: tuple) -> None:
+        if not self._queued and epoch == self._epoch and self._is_on():
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+    def take(self) -> tuple[list[int], torch.Tensor | None]:
+        """(slots, fp32 ‖grad‖²) of the gradients this backward delivered: those node hooks
+        and Taps handed over, and those the retained aliases kept (read, then let go, so a
+        later backward through them brings its own)."""
+        if self._retained:
+            grads = list(map(_grad, self._retained))
+            if any(map(operator.is_, grads, itertools.repeat(None))):  # (not `in`: that compares tensors)
+                got = [k for k, g in enumerate(grads) if g is not None]
+                slots, tensors, grads = ([self._retained_slots[k] for k in got], [self._retained[k] for k in got],
+                                         [grads[k] for k in got])
+            else:
+                slots, tensors = self._retained_slots, self._retained
+            if grads:
+                list(map(setattr, tensors, itertools.repeat("grad"), itertools.repeat(None)))
+                self.grads.add_many(slots, grads, short=True)  # (retained: short, strided)
+                if self.stats:
+                    self.pending += [(slot + (k + 1) * self._taps, statistic(f, g))
+                                     for slot, g in zip(slots, grads) for k, f in enumerate(self.stats)]
+        return self.grads.take()
+
+    def unread(self) -> bool:
+        """Whether a retained alias holds a gradient no backward's end has read (a backward
+        that did not pass the first alias of a forward pass, where the reading is queued)."""
+        return any(map(_grad_is_set, self._retained))
+
+    def forget(self) -> None:
+        """Lets the retained aliases of the step go."""
+        self._retained, self._retained_slots = [], []
+        self._last_retained = 1 << 62
 
     def hook(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
         """Takes ‖∂loss/∂t‖² into ``slot`` when backward reaches the node that made ``t``
@@ -123,3 +181,10 @@ class EagerGrads:
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+
+_grad = operator.attrgetter("grad")
+
+
+def _grad_is_set(t: torch.Tensor) -> bool:
+    return t.grad is not None

@@ -248,6 +248,20 @@ class NormBatch:
         if self._elements >= self.limit:
             self._reduce()
 
+    def add_many(self, slots: list[int], tensors: list[torch.Tensor], *, short: bool = False) -> None:
+        """:meth:`add` of each (slot, tensor), appended in one go when all are short and
+        strided (``short=True``: the caller knows they are, as for retained gradients)."""
+        if not short and any(t.numel() >= DENSE_MIN or t.numel() == 0 or t.layout != torch.strided for t in tensors):
+            for slot, t in zip(slots, tensors):
+                self.add(slot, t)
+            return
+        self._slots += slots
+        self._tensors += tensors
+        self._versions += map(_version, tensors)
+        self._elements += sum(map(torch.Tensor.numel, tensors))
+        if self._elements >= self.limit:
+            self._reduce()
+
     def passed_on(self, t: torch.Tensor, out: torch.Tensor) -> None:
         """``out`` (an alias or a tap's output) now carries the value of ``t``."""
         self._long.passed_on(t, out)
@@ -262,7 +276,14 @@ class NormBatch:
             raise RuntimeError(f"gradscope: {len(changed)} site tensor(s) of shape {tuple(changed[0].shape)} were modified "
                                "in place after the site and before their norm was taken; the model's "
                                "site_outputs_never_modified_in_place promise does not hold (remove it)")
-        key = (tuple(map(_shape, tensors)), tuple(map(_dtype, tensors)))
+        shapes, dtypes = list(map(_shape, tensors)), list(map(_dtype, tensors))
+        if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):  # one stack (the usual case)
+            with torch.no_grad():
+                stacked = torch.stack(tensors).reshape(len(tensors), -1)
+                self._done.append((self._slots, torch.linalg.vector_norm(stacked, dim=1, dtype=torch.float64).square()))
+            self._slots, self._tensors, self._versions, self._elements = [], [], [], 0
+            return
+        key = (tuple(shapes), tuple(dtypes))
         plan = self._plans.get(key)
         if plan is None:
             if len(self._plans) >= 16:  # shapes that keep changing (variable sequence lengths): keep a few

@@ -97,7 +97,7 @@ class EagerWriter(TracedWriter):
             return None
         if c.alias[i]:
             out = _ALIAS(t)
-            c.eager.hook(out, slot, recompute)
+            c.eager.retain(out, slot, recompute)
             return c.passed_on(t, out)
         return c.passed_on(t, Tap.apply(t, c.collector, slot, c.eager, ()))
 
