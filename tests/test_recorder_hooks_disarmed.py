@@ -78,3 +78,20 @@ def test_hooks_are_there_only_while_a_step_records(compiled):
         assert df[step] == pytest.approx(value, rel=1e-5)
     rec.close()
     assert _gradscope_hooks(model) == 0
+
+
+def test_a_recorder_dropped_without_close_leaves_no_capture_and_no_hook_behind():
+    import gc
+
+    from gradscope.recorder import capture
+
+    model = Net()
+    before = len(capture._LIVE)
+    for step in range(3):
+        rec = gradscope.Recorder(model)
+        with rec.step(step):
+            model(torch.randn(2, 3, 8)).sum().backward()
+        del rec
+    gc.collect()
+    assert len(capture._LIVE) == before  # the registry the hooks read holds no dropped Recorder's capture
+    assert _gradscope_hooks(model) == 0
