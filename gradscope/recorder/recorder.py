@@ -50,7 +50,7 @@ from gradscope.recorder.replay import Reading, ReplayOptions, SpikeReplay, Spike
 from gradscope.recorder.spike import SpikeDetector
 from gradscope.recorder.store import StepBuffer
 from gradscope.recorder.update_ratio import UpdateRatioHooks
-from gradscope.recorder.wrappers import HookGuards, dist_rank, no_autocast, unwrap
+from gradscope.recorder.wrappers import HookGuards, dist_rank, grad_scale, no_autocast, params_unscaled, token_masks, unwrap
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table.keys import model_key
 from gradscope.table.rows import RowStore
@@ -339,7 +339,7 @@ class Recorder:
             buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f, _ in snapshots]))
             keys, values, blocks = buf.to_host()  # the one host transfer of this step
             blocks["marks"] = np.stack([m for _, _, m in snapshots])
-        host = (keys, values, blocks, wants, calls, self._params_unscaled(), self._capture.backwards,
+        host = (keys, values, blocks, wants, calls, params_unscaled(self.scaler), self._capture.backwards,
                 self._capture.grad_forwards)
         self._late.step(step, host, now=not self._checks.ever_seen)  # (until a hook fired: checked now)
         if "update_ratio" in wants and self.optimizer is not None:
@@ -361,36 +361,11 @@ class Recorder:
         return p.device if p is not None else torch.device("cpu")
 
     def _grad_scale(self) -> torch.Tensor | None:
-        if self.scaler is None or not self.scaler.is_enabled():
-            return None
-        return self.scaler._get_scale_async().detach().float().reshape(())
-
-    def _params_unscaled(self) -> bool:
-        """Whether the user already called ``scaler.unscale_(optimizer)`` this step."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return True
-        from torch.amp.grad_scaler import OptState
-
-        return any(s.get("stage") is OptState.UNSCALED for s in self.scaler._per_optimizer_states.values())
+        return grad_scale(self.scaler)
 
     # -- masks for cosine ----------------------------------------------------------------
     def _token_masks(self, args, kwargs) -> dict[str, torch.Tensor]:
-        """Stack -> (B, T) bool mask of real tokens, asked of the model (``token_masks``) or,
-        for HuggingFace models, ``attention_mask`` for the first (encoder) stack and
-        ``decoder_attention_mask`` for a second: an encoder's padding never weights a decoder."""
-        own = getattr(self.model, "token_masks", None)
-        if callable(own):
-            return own(*args, **kwargs)
-        names = [s.name for s in self.layout.stacks]
-        masks = {}
-        for name, key in zip(names, ("attention_mask", "decoder_attention_mask")):
-            mask = kwargs.get(key)
-            at = self._forward_params.index(key) if key in self._forward_params else len(args)
-            if mask is None and at < len(args):
-                mask = args[at]  # passed by position
-            if isinstance(mask, torch.Tensor):
-                masks[name] = mask.bool()
-        return masks
+        return token_masks(self.model, [s.name for s in self.layout.stacks], self._forward_params, args, kwargs)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:

@@ -83,3 +83,42 @@ class HookGuards:
         if cls._open == 0 and cls._saved is not None:
             for k, v in cls._saved.items():
                 setattr(torch._dynamo.config, k, v)
+
+
+def grad_scale(scaler) -> torch.Tensor | None:
+    """A ``torch.amp.GradScaler``'s current scale as a 0-d fp32 tensor (no host sync), or None
+    without an enabled scaler."""
+    if scaler is None or not scaler.is_enabled():
+        return None
+    return scaler._get_scale_async().detach().float().reshape(())
+
+
+def params_unscaled(scaler) -> bool:
+    """Whether the user already called ``scaler.unscale_(optimizer)`` this step (True without
+    an enabled scaler)."""
+    if scaler is None or not scaler.is_enabled():
+        return True
+    from torch.amp.grad_scaler import OptState
+
+    return any(s.get("stage") is OptState.UNSCALED for s in scaler._per_optimizer_states.values())
+
+
+def token_masks(model: nn.Module, stacks: list[str], forward_params: list[str], args: tuple,
+                kwargs: dict) -> dict[str, torch.Tensor]:
+    """Stack -> (B, T) bool mask of real tokens for ``cosine``, asked of the model
+    (``model.token_masks(*args, **kwargs)``) or, for HuggingFace models, ``attention_mask``
+    for the first (encoder) stack and ``decoder_attention_mask`` for a second: an encoder's
+    padding never weights a decoder. ``forward_params``: the forward's parameter names, to
+    find a mask passed by position."""
+    own = getattr(model, "token_masks", None)
+    if callable(own):
+        return own(*args, **kwargs)
+    masks = {}
+    for name, key in zip(stacks, ("attention_mask", "decoder_attention_mask")):
+        mask = kwargs.get(key)
+        at = forward_params.index(key) if key in forward_params else len(args)
+        if mask is None and at < len(args):
+            mask = args[at]  # passed by position
+        if isinstance(mask, torch.Tensor):
+            masks[name] = mask.bool()
+    return masks
