@@ -10,28 +10,9 @@ import copy
 import pytest
 import torch
 from torch import nn
+from twin_models import Twin
 
 import gradscope
-
-
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
-
-    def forward(self, x):
-        return x + self.fc(self.ln(x))
-
-
-class Net(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(2)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
 
 
 def _gradscope_hooks(model: nn.Module) -> int:
@@ -51,7 +32,7 @@ def _reference(model: nn.Module, x: torch.Tensor) -> float:
 def test_hooks_are_there_only_while_a_step_records(compiled):
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model, xs = Net(), [torch.randn(2, 3, 8) for _ in range(6)]
+    model, xs = Twin(), [torch.randn(2, 3, 8) for _ in range(6)]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     rec = gradscope.Recorder(model, every=2)
     run = torch.compile(model, fullgraph=True) if compiled else model
@@ -85,7 +66,7 @@ def test_a_recorder_dropped_without_close_leaves_no_capture_and_no_hook_behind()
 
     from gradscope.recorder import capture
 
-    model = Net()
+    model = Twin()
     before = len(capture._LIVE)
     for step in range(3):
         rec = gradscope.Recorder(model)

@@ -7,29 +7,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
+from twin_models import Twin
 
 import gradscope
-
-
-class TwinBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
-
-    def forward(self, x):
-        return x + self.fc(self.ln(x))
-
-
-class Twin(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.blocks = nn.ModuleList([TwinBlock() for _ in range(2)])
-
-    def forward(self, x):
-        for b in self.blocks:
-            x = b(x)
-        return x
 
 
 def _reference(model: Twin, x: torch.Tensor) -> dict[str, float]:

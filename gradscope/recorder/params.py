@@ -51,7 +51,6 @@ class ParamGroups:
         self._membership_np = membership.numpy().astype(np.float64)
         self._on: dict[torch.device, torch.Tensor] = {}
         self._keys: dict[str, list[Key]] = {}
-        self._plans: list[sqnorm.SquaredNormPlan] = []  # the last few lists' shapes (recorder/sqnorm.py)
 
     def keys(self, quantity: str) -> list[Key]:
         """Row keys of ``quantity`` for every group, in ``self.groups`` order (made once per quantity)."""
@@ -114,7 +113,7 @@ class ParamGroups:
         if not present:
             return None
         sharded = not set(map(type, present)) <= _PLAIN and any(is_dtensor(t) for t in present)
-        stacked = self._planned([local(t) for t in present] if sharded else present).float()
+        stacked = sqnorm.fp64_squared_norms([local(t) for t in present] if sharded else present).float()
         device = stacked.device
         if len(present) == len(tensors):
             sq = stacked
@@ -126,16 +125,6 @@ class ParamGroups:
 
             sq = reduce_squared_norms(tensors, sq)
         return sq
-
-    def _planned(self, tensors: list[torch.Tensor]) -> torch.Tensor:
-        """fp64 ‖t‖² of each tensor, by a plan kept for lists of these shapes (gradients and
-        parameters each get one): :class:`~gradscope.recorder.sqnorm.SquaredNormPlan`."""
-        for plan in self._plans:
-            if plan.fits(tensors):
-                return plan(tensors)
-        plan = sqnorm.SquaredNormPlan(tensors)
-        self._plans = [plan, *self._plans[:3]]
-        return plan(tensors)
 
     def group_norms(self, tensors: list[torch.Tensor | None]) -> torch.Tensor | None:
         """sqrt(Σ‖t‖²) per group, a vector in ``self.groups`` order, or None if nothing is present."""

@@ -99,21 +99,27 @@ def squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
         A (len(tensors),) fp32 vector.
     """
     tensors = [t if t.layout == torch.strided else _values(t) for t in tensors]
+    return fp64_squared_norms([t.detach() for t in tensors]).float()
+
+
+def fp64_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """fp64 ‖t‖² of each of ``tensors`` (a non-empty list), in order, in a fixed few operations:
+    one stack when all are short and share shape and dtype (site values and gradients, the
+    usual case), else the :class:`SquaredNormPlan` kept for these shapes (the one home of
+    the plans: gradients, parameters and site batches all come here)."""
+    shapes, dtypes = list(map(_shape, tensors)), list(map(_dtype, tensors))
+    n = len(tensors)
     with torch.no_grad():
-        return _short_and_long(tensors)
-
-
-def _short_and_long(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """fp64 ‖t‖² of each of ``tensors`` (strided), in order, through a :class:`NormBatch`."""
-    batch = NormBatch(limit=1 << 62)
-    for k, t in enumerate(tensors):
-        batch.add(k, t.detach())
-    slots, sq = batch.take()
-    if slots == list(range(len(tensors))):
-        return sq
-    out = torch.empty_like(sq)
-    out[torch.tensor(slots, device=sq.device)] = sq
-    return out
+        if shapes.count(shapes[0]) == n and dtypes.count(dtypes[0]) == n and 0 < tensors[0].numel() < DENSE_MIN:
+            stacked = torch.stack(tensors).reshape(n, -1)
+            return torch.linalg.vector_norm(stacked, dim=1, dtype=torch.float64).square()
+        key = (tuple(shapes), tuple(dtypes), tensors[0].device)
+        plan = _PLANS.get(key)
+        if plan is None:
+            if len(_PLANS) >= 32:  # shapes that keep changing (variable sequence lengths): keep a few
+                _PLANS.clear()
+            plan = _PLANS[key] = SquaredNormPlan(tensors)
+        return plan(tensors)
 
 
 class SquaredNormPlan:
@@ -168,6 +174,7 @@ class SquaredNormPlan:
             return out
 
 
+_PLANS: dict[tuple, SquaredNormPlan] = {}  # (shapes, dtypes, device) -> plan: fp64_squared_norms
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _version = operator.attrgetter("_version")
@@ -207,9 +214,9 @@ class NormBatch:
 
     A hook hands over a site's tensor (:meth:`add`) instead of reducing it then: a short
     tensor (fewer than ``DENSE_MIN`` elements: the host-bound case) is only appended to a
-    list, and :meth:`take` reduces the list with a :class:`SquaredNormPlan` kept for its
-    shapes (a few concatenations, fp64 squares and sums), so a hundred sites cost a few
-    reductions instead of a hundred. Long tensors are reduced at once by
+    list, and :meth:`take` reduces the list with :func:`fp64_squared_norms` (one stack, or
+    a few concatenations; fp64 squares and sums), so a hundred sites cost a few reductions
+    instead of a hundred. Long tensors are reduced at once by
     :func:`squared_norm` (there the pass over memory is the cost), once for the same tensor
     (same object and version) handed over twice in a row: a layer's output is the next
     layer's input, and backward hands one gradient to both. Past ``limit`` waiting elements
@@ -223,7 +230,6 @@ class NormBatch:
     def __init__(self, limit: int = 1 << 22) -> None:
         self.limit = limit
         self._long = Reused()
-        self._plans: dict[tuple, SquaredNormPlan] = {}  # by the waiting tensors' shapes and dtypes
         self.clear()
 
     def clear(self) -> None:
@@ -276,20 +282,7 @@ class NormBatch:
             raise RuntimeError(f"gradscope: {len(changed)} site tensor(s) of shape {tuple(changed[0].shape)} were modified "
                                "in place after the site and before their norm was taken; the model's "
                                "site_outputs_never_modified_in_place promise does not hold (remove it)")
-        shapes, dtypes = list(map(_shape, tensors)), list(map(_dtype, tensors))
-        if shapes.count(shapes[0]) == len(shapes) and dtypes.count(dtypes[0]) == len(dtypes):  # one stack (the usual case)
-            with torch.no_grad():
-                stacked = torch.stack(tensors).reshape(len(tensors), -1)
-                self._done.append((self._slots, torch.linalg.vector_norm(stacked, dim=1, dtype=torch.float64).square()))
-            self._slots, self._tensors, self._versions, self._elements = [], [], [], 0
-            return
-        key = (tuple(shapes), tuple(dtypes))
-        plan = self._plans.get(key)
-        if plan is None:
-            if len(self._plans) >= 16:  # shapes that keep changing (variable sequence lengths): keep a few
-                self._plans.clear()
-            plan = self._plans[key] = SquaredNormPlan(tensors)
-        self._done.append((self._slots, plan(tensors)))
+        self._done.append((self._slots, fp64_squared_norms(tensors)))
         self._slots, self._tensors, self._versions, self._elements = [], [], [], 0
 
     def take(self) -> tuple[list[int], torch.Tensor | None]:

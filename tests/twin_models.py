@@ -1,0 +1,27 @@
+"""A two-block residual model (Linear after LayerNorm) small enough to compile in a test."""
+
+from __future__ import annotations
+
+from torch import nn
+
+
+class TwinBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(8, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+class Twin(nn.Module):
+    """Two :class:`TwinBlock`; input and output (B, T, 8)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([TwinBlock() for _ in range(2)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = b(x)
+        return x
