@@ -69,10 +69,11 @@ def test_a_backward_that_stops_before_the_first_site_is_read_when_the_step_ends(
     want = _reference(model, sites, inputs=last)
     assert "decoder.embed.out" not in want and len(want) == 2  # backward stopped before the first site
     rec = gradscope.Recorder(model)
-    with rec.step(0):
+    with pytest.warns(UserWarning, match="did not reach them"), rec.step(0):
         loss = loss_of(model(*batch(model.config)), model.config)
         loss.backward(inputs=[model.get_parameter(n) for n in last])
     got = _rows(rec, -1)
     for site, value in want.items():
         assert got[site] == pytest.approx(value, rel=1e-5), site
+    assert "decoder.embed.out" not in got, "a row (0.0) for a site the backward did not reach"
     rec.close()

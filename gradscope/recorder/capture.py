@@ -64,7 +64,7 @@ class Capture:
         value_stats: user statistics of a site's forward value (quantities' ``site_value``):
             forward-buffer channel ``FWD + k``.
         grad_stats: user statistics of a site's gradient (``site_grad``): collector slots
-            ``slot + (k + 1)·n_taps``.
+            ``slot + (k + 2)·n_taps`` (after ‖grad‖² at ``slot`` and its arrival at ``slot + n_taps``).
     """
 
     def __init__(self, model: nn.Module, layout: Layout, max_calls: int, token_masks, value_stats: tuple = (),
@@ -79,7 +79,7 @@ class Capture:
         self.n_taps = len(self.points) * max_calls
         self.value_stats, self.grad_stats = tuple(value_stats), tuple(grad_stats)
         self.width = FWD + len(self.value_stats)  # forward-buffer channels
-        self.n_collector = self.n_taps * (1 + len(self.grad_stats))
+        self.n_collector = self.n_taps * (2 + len(self.grad_stats))  # ‖grad‖², arrivals, user statistics
         self.stats_now = False  # user statistics are taken in the open step
         self.grad_stats_now: tuple = ()
         self.n_slots = self.n_taps + len(layout.norms) * max_calls  # taps, then norms (w/σ)
@@ -230,9 +230,11 @@ class Capture:
             self.backwards += 1
         grads = self.collector.grad if self.collector.grad is not None else torch.zeros(self.n_collector, device=self.device)
         self.collector.grad = None
-        slots, sq = _joined(*self.eager.take(), self.eager.pending)
-        if slots:
-            grads = grads.index_add(0, self._index(slots, 0), sq.to(self.device))
+        arrived, sq = self.eager.take()
+        slots, sq = _joined(arrived, sq, self.eager.pending)
+        if slots:  # ‖grad‖² and user statistics, and a count of each gradient's arrival (channel 1)
+            sq = torch.cat([sq.to(self.device), sq.new_ones(len(arrived), device=self.device)])
+            grads = grads.index_add(0, self._index(slots + [s + self.n_taps for s in arrived], 0), sq)
         fwd = self.fwd.clone()
         if self.pending_fwd:
             rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)

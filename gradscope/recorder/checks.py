@@ -66,9 +66,14 @@ class StepChecks:
         with no backward, sites that saw no call, stacks without cosine rows, norms whose
         gradient is not known, and modules called more often than ``max_calls``."""
         if data.no_backward and (data.order > 0).any():  # (a forward under torch.no_grad expects no gradient)
+            traced = not data.blocks["marks"].any()  # the compiled capture marks on the device, eager hooks on the host
+            also = (" Or, as the model ran compiled, a backward given inputs= (loss.backward(inputs=[...])) ran: the "
+                    "compiled capture's gradients reach it only through a backward not limited by inputs=, so such a "
+                    "step has no gradient rows; run backward without inputs= in recorded steps." if traced else "")
             self.warn_once("no_backward", f"step {step} was recorded but no backward ran inside it, so it has no "
                            "gradient rows (act_grad_norm, ln_gain, param_grad_norm, ...): call loss.backward() inside "
-                           "`with rec.step(step):` (or before rec.end_step()). Later steps like this are not reported again.", stacklevel=5)
+                           f"`with rec.step(step):` (or before rec.end_step()).{also} Later steps like this are not "
+                           "reported again.", stacklevel=5)
         seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
         if not seen:
             if not self.ever_seen and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
@@ -82,7 +87,7 @@ class StepChecks:
                           f"{_listed(silent, 8)} (drop them with sites=...)", stacklevel=4)
         if "cosine" in wants:
             self._cosine(step, data)
-        if "act_grad_norm" in wants and not data.no_backward and data.micro_steps:
+        if ("act_grad_norm" in wants or data.user_grads) and not data.no_backward and data.micro_steps:
             self._no_gradient(data)
         low = sorted(data.low_precision - self.warned)
         if low:
@@ -115,15 +120,28 @@ class StepChecks:
                           "later calls are added into the last row (raise max_calls)", stacklevel=4)
 
     def _no_gradient(self, data: StepData) -> None:
-        """Warns about sites called in the step whose value never required grad."""
+        """Warns about sites called in the step with no gradient: their value never required
+        grad, or backward did not reach them (they then have no rows, not 0.0)."""
         index = {p.name: i for i, p in enumerate(self.points)}
         called = (data.order != 0)[:, : data.grad_sq.shape[1]].any(axis=0)
+        tapped = (data.order > 0)[:, : data.grad_sq.shape[1]].any(axis=0)
+        never, missed = ~data.got.any(axis=0), data.missed.any(axis=0)
         left_out = {n.site_in for n in self.layout.norms if n.name in data.unfit}  # said already, with the reason
-        none = [site for p, c, slot, site in data.slot_sites() if c == 0 and called[slot] and not data.got[:, slot].any()
-                and self.grad_expected[index[p.name]] and p.name not in left_out]
-        self._names(set(none), "saw no gradient in a step whose backward ran: the tensor there did not require grad "
+        none, unreached = set(), set()
+        for p, c, slot, site in data.slot_sites():
+            if p.name in left_out or not self.grad_expected[index[p.name]]:
+                continue
+            if missed[slot]:
+                unreached.add(p.name)
+            elif c == 0 and called[slot] and not tapped[slot] and never[slot]:
+                none.add(p.name)
+        self._names(none, "saw no gradient in a step whose backward ran: the tensor there did not require grad "
                     "(a model input, or a value computed under torch.no_grad), so they have no gradient rows (act_grad_norm, "
                     "a site_grad quantity's)")
+        self._names(unreached, "were called with grad enabled, but a backward of the step did not reach them "
+                    "(loss.backward(inputs=...) stopped before them, or their value does not feed that loss): that "
+                    "backward gives them no rows, not 0.0 (act_grad_norm, ln_gain, a site_grad quantity's); the step's "
+                    "row sums the backwards that reached them")
 
     def _names(self, norms: set[str], why: str) -> None:
         """One warning naming every norm of ``norms`` not named before, and ``why``."""

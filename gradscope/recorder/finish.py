@@ -23,7 +23,7 @@ SCALE = "__scale__"
 def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_collector: int, width: int = FWD
                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Splits the captured snapshots into micro-steps: the collector's gradient (M, n_collector:
-    ‖grad‖² per tap, then the user statistics), order and value (M, slots), the user
+    ‖grad‖² per tap, the count of its arrivals, then the user statistics), order and value (M, slots), the user
     statistics' forward channels (M, slots, width − FWD), and each slot's largest norm-fit
     misfit over the step.
 
@@ -79,8 +79,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
         device.setdefault(k.quantity, []).append((k, float(v)))
     n_taps = len(points) * K
     collector, order, value, user_fwd, misfit = micro_steps(blocks["snapshots"], blocks["marks"],
-                                                        n_taps * (1 + len(grad_stats)), width)
-    grad_sq = collector[:, :n_taps]
+                                                        n_taps * (2 + len(grad_stats)), width)
+    grad_sq, arrived = collector[:, :n_taps], collector[:, n_taps:2 * n_taps] > 0
     # no backward: the forward tapped gradients and none came, or every forward ran under torch.no_grad;
     # a step with no forward at all reads the gradients as they are
     no_backward = backwards == 0 and (bool((order > 0).any()) or (bool((order != 0).any()) and grad_forwards == 0))
@@ -98,13 +98,14 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
         if n.name in unfit and n.site_in in index:
             i = index[n.site_in]
             grad_sq[:, i * K:(i + 1) * K] = 0
+            arrived[:, i * K:(i + 1) * K] = False
             order[:, i * K:(i + 1) * K] = -np.abs(order[:, i * K:(i + 1) * K])
     if scale is not None:
         grad_sq = grad_sq / (scale * scale)
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
-    user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
-    data = StepData(layout, points, K, grad_sq, order, value, device, blocks, unfit, no_backward, low, user_values,
-                    user_grads, untold, guessed)
+    user_grads = {name: collector[:, (k + 2) * n_taps:(k + 3) * n_taps] for k, name in enumerate(grad_stats)}
+    data = StepData(layout, points, K, grad_sq, arrived, order, value, device, blocks, unfit, no_backward, low,
+                    user_values, user_grads, untold, guessed)
     rows: list = []
     for name, quantity in quantities.items():
         if name in wants and not quantity.logged:

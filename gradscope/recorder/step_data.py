@@ -17,6 +17,8 @@ class StepData:
     """One recorded step on the host, after its single device→host transfer.
 
     ``grad_sq`` (M, points·K) holds ‖∂loss/∂h‖² per micro-step and slot, already unscaled;
+    ``arrived`` (M, points·K) whether that gradient reached the site (a site that backward did
+    not reach, as after ``backward(inputs=...)``, has no gradient, which is not a zero one);
     ``order`` (M, slots) the forward order of each slot's call (+ tapped, − not tapped, 0 not
     called); ``value`` (M, slots) the forward statistic (‖h‖ for sites, w/σ for norms).
     """
@@ -25,6 +27,7 @@ class StepData:
     points: list[Probe]
     K: int
     grad_sq: np.ndarray
+    arrived: np.ndarray
     order: np.ndarray
     value: np.ndarray
     device: dict[str, list[Row]] = field(default_factory=dict)  # rows computed on the device
@@ -45,15 +48,22 @@ class StepData:
         """The micro_step column for micro-step m (-1 when the step had only one)."""
         return m if self.micro_steps > 1 else -1
 
-    @cached_property
+    @property
     def got(self) -> np.ndarray:
-        """(M, taps) bool: micro-steps in which a slot's value was tapped or its gradient
-        arrived (under reentrant checkpointing the tap is in the recompute)."""
-        return (self.order[:, : self.grad_sq.shape[1]] > 0) | (self.grad_sq != 0)
+        """(M, taps) bool: micro-steps in which a slot's gradient arrived."""
+        return self.arrived
+
+    @cached_property
+    def missed(self) -> np.ndarray:
+        """(M, taps) bool: micro-steps in which a slot was tapped for its gradient and a
+        backward ran (another slot's gradient arrived) but its own never came: backward did
+        not reach it (``backward(inputs=...)``, or a value that does not feed the loss)."""
+        tapped = self.order[:, : self.grad_sq.shape[1]] > 0
+        return tapped & ~self.arrived & self.arrived.any(axis=1, keepdims=True)
 
     @cached_property
     def _sites(self) -> list[tuple[Probe, int, int, str]]:
-        seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | (self.grad_sq != 0).any(axis=0)
+        seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | self.arrived.any(axis=0)
         out = []
         for slot in np.flatnonzero(seen).tolist():
             i, c = divmod(slot, self.K)

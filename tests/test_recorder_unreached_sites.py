@@ -1,0 +1,125 @@
+"""A site that backward did not reach has no gradient row, not 0.0; a site whose gradient
+is zero has a 0.0 row. The capture counts each gradient's arrival, so the two are told
+apart. References: autograd on a copy of the model, with the same backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gradscope
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+class Net(nn.Module):
+    """Three residual blocks; with ``dead``, the last one's output counts zero times."""
+
+    def __init__(self, dead: bool = False):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.dead = dead
+
+    def forward(self, x):
+        x = self.blocks[1](self.blocks[0](x))
+        return x + 0 * self.blocks[2](x) if self.dead else self.blocks[2](x)
+
+
+SITES = {"blocks.0.out": "blocks.0", "blocks.1.out": "blocks.1", "blocks.2.out": "blocks.2"}
+
+
+def _reference(model, x, backwards) -> list[dict[str, float]]:
+    """Per backward: ‖∂loss/∂(module output)‖ by retain_grad on a copy (absent: not reached)."""
+    twin = copy.deepcopy(model)
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep(name):
+        def hook(module, args, out):
+            out = out.view_as(out)
+            out.retain_grad()
+            kept[name] = out
+            return out
+        return hook
+
+    handles = [twin.get_submodule(m).register_forward_hook(keep(s)) for s, m in SITES.items()]
+    out = []
+    for inputs in backwards:
+        loss = twin(x).square().mean()
+        loss.backward(inputs=None if inputs is None else [twin.get_parameter(n) for n in inputs])
+        out.append({s: t.grad.norm().item() for s, t in kept.items() if t.grad is not None})
+    for h in handles:
+        h.remove()
+    return out
+
+
+def _rows(rec) -> dict[tuple[int, str], float]:
+    df = rec.frame().query("quantity == 'act_grad_norm' and site in @SITES")
+    return {(m, s): v for m, s, v in zip(df.micro_step, df.site, df.value)}
+
+
+def test_a_zero_gradient_is_a_row_of_zero():
+    torch.manual_seed(0)
+    model, x = Net(dead=True), torch.randn(2, 5, 8)
+    (want,) = _reference(model, x, [None])
+    assert want["blocks.2.out"] == 0.0 and want["blocks.1.out"] > 0 and len(want) == 3
+    rec = gradscope.Recorder(model)
+    with rec.step(0):
+        model(x).square().mean().backward()
+    got = _rows(rec)
+    assert got[(-1, "blocks.2.out")] == 0.0
+    for site, value in want.items():
+        assert got[(-1, site)] == pytest.approx(value, rel=1e-5), site
+    rec.close()
+
+
+def test_sites_a_backward_did_not_reach_have_no_rows_and_are_named():
+    """Micro-step 0 reaches every site; micro-step 1's backward stops at block 2."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 5, 8)
+    backwards = [None, ["blocks.2.fc.weight"]]
+    want = _reference(model, x, backwards)
+    assert set(want[1]) == {"blocks.2.out"}  # the second backward reached one of the three sites
+    rec = gradscope.Recorder(model)
+    with pytest.warns(UserWarning, match=r"blocks\.0\.out.*did not reach them.*no rows, not 0\.0"):
+        with rec.step(0):
+            for inputs in backwards:
+                loss = model(x).square().mean()
+                loss.backward(inputs=None if inputs is None else [model.get_parameter(n) for n in inputs])
+    got = _rows(rec)
+    assert {s for m, s in got if m == 1} == {"blocks.2.out"}, "a row for a site the backward did not reach"
+    for m in (0, 1):
+        for site, value in want[m].items():
+            assert got[(m, site)] == pytest.approx(value, rel=1e-5), (m, site)
+    for site in SITES:  # the step's row sums the backwards that reached the site
+        total = sum(w.get(site, 0.0) ** 2 for w in want) ** 0.5
+        assert got[(-1, site)] == pytest.approx(total, rel=1e-5), site
+    rec.close()
+
+
+def test_compiled_a_backward_limited_by_inputs_gives_no_gradient_rows_and_says_why():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 5, 8)
+    rec = gradscope.Recorder(model)
+    run = torch.compile(model, fullgraph=True)
+    with pytest.warns(UserWarning, match=r"compiled.*inputs="):
+        with rec.step(0):
+            run(x).square().mean().backward(inputs=[model.blocks[2].fc.weight])
+    df = rec.frame()
+    assert not {"act_grad_norm", "ln_gain", "param_grad_norm"} & set(df.quantity)
+    (want,) = _reference(model, x, [None])  # a full backward, compiled, gives autograd's numbers again
+    with rec.step(1):
+        run(x).square().mean().backward()
+    got = rec.frame().query("step == 1 and quantity == 'act_grad_norm'").set_index("site").value
+    for site, value in want.items():
+        assert got[site] == pytest.approx(value, rel=1e-5, abs=1e-12), site
+    rec.close()
