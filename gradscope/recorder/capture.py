@@ -50,6 +50,7 @@ from gradscope.recorder.writers import EagerWriter, TracedWriter
 
 _LIVE: dict[int, Capture] = {}  # open Captures by key; a hook finds its own here (see Capture.key)
 _KEYS = itertools.count()
+REACHED, REACHED_IF_TAPPED = 1, 2  # a slot's gradient arrived; a compiled backward ran (see Capture.snapshot)
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm; then user statistics
 
 
@@ -64,7 +65,7 @@ class Capture:
         value_stats: user statistics of a site's forward value (quantities' ``site_value``):
             forward-buffer channel ``FWD + k``.
         grad_stats: user statistics of a site's gradient (``site_grad``): collector slots
-            ``slot + (k + 2)·n_taps`` (after ‖grad‖² at ``slot`` and its arrival at ``slot + n_taps``).
+            ``slot + (k + 1)·n_taps``.
     """
 
     def __init__(self, model: nn.Module, layout: Layout, max_calls: int, token_masks, value_stats: tuple = (),
@@ -79,7 +80,7 @@ class Capture:
         self.n_taps = len(self.points) * max_calls
         self.value_stats, self.grad_stats = tuple(value_stats), tuple(grad_stats)
         self.width = FWD + len(self.value_stats)  # forward-buffer channels
-        self.n_collector = self.n_taps * (2 + len(self.grad_stats))  # ‖grad‖², arrivals, user statistics
+        self.n_collector = self.n_taps * (1 + len(self.grad_stats))
         self.stats_now = False  # user statistics are taken in the open step
         self.grad_stats_now: tuple = ()
         self.n_slots = self.n_taps + len(layout.norms) * max_calls  # taps, then norms (w/σ)
@@ -95,7 +96,7 @@ class Capture:
         self.fwd: torch.Tensor | None = None  # (n_slots, width): [±order (negative: not tapped), value, misfit, user...]
         self._indices: list[tuple[list[int], torch.Tensor] | None] = [None, None]  # (slots, on the device): Capture._index
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
-        self.snapshots: list[tuple[torch.Tensor, torch.Tensor, np.ndarray]] = []
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = []
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step
         self.marks = [0.0] * self.n_slots  # a list: setting an item costs a tenth of a numpy array's
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
@@ -206,9 +207,9 @@ class Capture:
         self.hooks.arm()
         self.on = True
 
-    def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, np.ndarray]], list[int]]:
+    def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]], list[int]]:
         """Disarms the hooks; returns the step's snapshots (‖grad‖² per tap, forward buffer,
-        host marks), one per backward and a last one for forward work after the last
+        host marks, which gradients arrived), one per backward and a last one for forward work after the last
         backward, and the call counts."""
         if self.eager.unread():  # a backward whose end no hook saw: its gradients are its own micro-step
             self.snapshot()
@@ -228,13 +229,19 @@ class Capture:
             return
         if backward and self.on:
             self.backwards += 1
-        grads = self.collector.grad if self.collector.grad is not None else torch.zeros(self.n_collector, device=self.device)
+        grads = self.collector.grad
+        # which gradients arrived (kept on the host): eagerly, the slots handed over; a compiled
+        # backward (the collector's gradient) materialises zeros for sites it did not reach
+        # and cannot tell them, so it marks every slot REACHED_IF_TAPPED
+        reached = np.full(self.n_taps, 0 if grads is None else REACHED_IF_TAPPED, dtype=np.int8)
+        if grads is None:
+            grads = torch.zeros(self.n_collector, device=self.device)
         self.collector.grad = None
         arrived, sq = self.eager.take()
+        reached[arrived] = REACHED
         slots, sq = _joined(arrived, sq, self.eager.pending)
-        if slots:  # ‖grad‖² and user statistics, and a count of each gradient's arrival (channel 1)
-            sq = torch.cat([sq.to(self.device), sq.new_ones(len(arrived), device=self.device)])
-            grads = grads.index_add(0, self._index(slots + [s + self.n_taps for s in arrived], 0), sq)
+        if slots:
+            grads = grads.index_add(0, self._index(slots, 0), sq.to(self.device))
         fwd = self.fwd.clone()
         if self.pending_fwd:
             rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)
@@ -243,7 +250,7 @@ class Capture:
         slots, sq = _joined(*self.values.take(), self.pending_sq)
         if slots:
             fwd[self._index(slots, 1), 1] = sq.to(self.device).sqrt()
-        self.snapshots.append((grads, fwd, np.array(self.marks)))
+        self.snapshots.append((grads, fwd, np.array(self.marks), reached))
         self.fwd.zero_()
         self.marks = [0.0] * self.n_slots
         self.pending_fwd.clear()

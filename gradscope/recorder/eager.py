@@ -66,7 +66,7 @@ class EagerGrads:
     Args:
         on_backward_end: called once at the end of each backward that delivered a norm.
         is_on: whether a recorded step is open.
-        taps: the collector's slots per channel (user statistic k goes to ``slot + (k + 2)·taps``).
+        taps: the collector's slots per channel (user statistic k goes to ``slot + k·taps``).
     """
 
     def __init__(self, on_backward_end: Callable[[], None], is_on: Callable[[], bool], taps: int = 0) -> None:
@@ -135,7 +135,7 @@ class EagerGrads:
                 list(map(setattr, tensors, itertools.repeat("grad"), itertools.repeat(None)))
                 self.grads.add_many(slots, grads, short=True)  # (retained: short, strided)
                 if self.stats:
-                    self.pending += [(slot + (k + 2) * self._taps, statistic(f, g))
+                    self.pending += [(slot + (k + 1) * self._taps, statistic(f, g))
                                      for slot, g in zip(slots, grads) for k, f in enumerate(self.stats)]
         return self.grads.take()
 
@@ -184,7 +184,7 @@ class EagerGrads:
         hands them to the capture."""
         self.grads.add(slot, grad)
         if self.stats:
-            self.pending += [(slot + (k + 2) * self._taps, statistic(f, grad)) for k, f in enumerate(self.stats)]
+            self.pending += [(slot + (k + 1) * self._taps, statistic(f, grad)) for k, f in enumerate(self.stats)]
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradscope.recorder.capture import FWD
+from gradscope.recorder.capture import FWD, REACHED, REACHED_IF_TAPPED
 from gradscope.recorder.norm_stats import GUESSED, LOW_PRECISION, UNTOLD
 from gradscope.recorder.quantity import Quantity
 from gradscope.recorder.step_data import StepData
@@ -20,35 +20,39 @@ MISFIT = 1e-9  # a fitted norm whose residual exceeds this share of Var(y) is no
 SCALE = "__scale__"
 
 
-def micro_steps(snapshots: np.ndarray, marks: np.ndarray, n_collector: int, width: int = FWD
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n_collector: int, width: int = FWD
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Splits the captured snapshots into micro-steps: the collector's gradient (M, n_collector:
-    ‖grad‖² per tap, the count of its arrivals, then the user statistics), order and value (M, slots), the user
+    ‖grad‖² per tap, then the user statistics), whether each tap's gradient arrived (M, taps:
+    ``REACHED``, ``REACHED_IF_TAPPED`` or 0), order and value (M, slots), the user
     statistics' forward channels (M, slots, width − FWD), and each slot's largest norm-fit
     misfit over the step.
 
     Each snapshot is one backward's collector gradient followed by the forward buffer (eager
-    calls' order marks come in ``marks``, as they are kept on the host). A
-    snapshot with no forward call since the one before (the inner backward of reentrant
-    checkpointing) adds its gradients to that micro-step; a last snapshot with neither is
-    dropped.
+    calls' order marks come in ``marks``, as they are kept on the host, and so does
+    ``reached``). A snapshot with no forward call since the one before (the inner backward of
+    reentrant checkpointing) adds its gradients to that micro-step; a last snapshot with
+    neither is dropped.
     """
     grads, fwd = snapshots[:, :n_collector], snapshots[:, n_collector:].reshape(len(snapshots), -1, width).copy()
     fwd[:, :, 0] += marks  # eager calls keep their order marks on the host, compiled ones on the device
-    keep_g, keep_f, misfit = [], [], fwd[:, :, 2].max(axis=0)
-    for g, f in zip(grads, fwd):
+    keep_g, keep_r, keep_f, misfit = [], [], [], fwd[:, :, 2].max(axis=0)
+    for g, r, f in zip(grads, reached, fwd):
         called = bool((f[:, 0] != 0).any())
         if not called:
             if keep_g:
                 keep_g[-1] = keep_g[-1] + g
+                keep_r[-1] = np.maximum(keep_r[-1], r)
             continue
         keep_g.append(g.copy())
+        keep_r.append(r)
         keep_f.append(f)
     if not keep_g:
         n = fwd.shape[1]
-        return np.zeros((0, n_collector)), np.zeros((0, n)), np.zeros((0, n)), np.zeros((0, n, width - FWD)), misfit
+        return (np.zeros((0, n_collector)), np.zeros((0, reached.shape[1]), dtype=np.int8), np.zeros((0, n)),
+                np.zeros((0, n)), np.zeros((0, n, width - FWD)), misfit)
     f = np.stack(keep_f)
-    return np.stack(keep_g), f[:, :, 0], f[:, :, 1], f[:, :, FWD:], misfit
+    return np.stack(keep_g), np.stack(keep_r), f[:, :, 0], f[:, :, 1], f[:, :, FWD:], misfit
 
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
@@ -78,9 +82,12 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
             v = v / scale
         device.setdefault(k.quantity, []).append((k, float(v)))
     n_taps = len(points) * K
-    collector, order, value, user_fwd, misfit = micro_steps(blocks["snapshots"], blocks["marks"],
-                                                        n_taps * (2 + len(grad_stats)), width)
-    grad_sq, arrived = collector[:, :n_taps], collector[:, n_taps:2 * n_taps] > 0
+    collector, reached, order, value, user_fwd, misfit = micro_steps(blocks["snapshots"], blocks["marks"],
+                                                                 blocks["reached"], n_taps * (1 + len(grad_stats)), width)
+    grad_sq = collector[:, :n_taps]
+    # a gradient arrived: eagerly as seen; after a compiled backward where tapped (or non-zero:
+    # a tap that reentrant checkpointing recomputed)
+    arrived = (reached == REACHED) | ((reached == REACHED_IF_TAPPED) & ((order[:, :n_taps] > 0) | (grad_sq != 0)))
     # no backward: the forward tapped gradients and none came, or every forward ran under torch.no_grad;
     # a step with no forward at all reads the gradients as they are
     no_backward = backwards == 0 and (bool((order > 0).any()) or (bool((order != 0).any()) and grad_forwards == 0))
@@ -103,7 +110,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     if scale is not None:
         grad_sq = grad_sq / (scale * scale)
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
-    user_grads = {name: collector[:, (k + 2) * n_taps:(k + 3) * n_taps] for k, name in enumerate(grad_stats)}
+    user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
     data = StepData(layout, points, K, grad_sq, arrived, order, value, device, blocks, unfit, no_backward, low,
                     user_values, user_grads, untold, guessed)
     rows: list = []

@@ -336,9 +336,10 @@ class Recorder:
                 if name in wants:
                     ctx.current = quantity
                     quantity.collect(ctx)
-            buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f, _ in snapshots]))
+            buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f, _, _ in snapshots]))
             keys, values, blocks = buf.to_host()  # the one host transfer of this step
-            blocks["marks"] = np.stack([m for _, _, m in snapshots])
+            blocks["marks"] = np.stack([m for _, _, m, _ in snapshots])
+            blocks["reached"] = np.stack([r for *_, r in snapshots])
         host = (keys, values, blocks, wants, calls, params_unscaled(self.scaler), self._capture.backwards,
                 self._capture.grad_forwards)
         self._late.step(step, host, now=not self._checks.ever_seen)  # (until a hook fired: checked now)

@@ -4,6 +4,7 @@ how a hook finds a module's main input and output tensors."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from gradscope.recorder.norm_stats import isolated_grad
 from gradscope.recorder.quantity import statistic
@@ -15,29 +16,29 @@ def in_backward() -> bool:
     return not torch.compiler.is_compiling() and torch._C._current_autograd_node() is not None
 
 
-def collector_grad(sq: torch.Tensor, grad: torch.Tensor, slot: int, taps: int, size: int, stats: tuple) -> torch.Tensor:
-    """The collector's gradient from one tap: ‖grad‖² at ``slot``, 1 at ``slot + taps`` (the
-    gradient arrived: a site that backward never reached is told from one whose gradient is
-    zero) and, with user statistics (``stats``: the wanted quantities' ``site_grad``),
-    statistic k at ``slot + (k + 2)·taps``."""
-    values = torch.stack([sq.reshape(()), torch.ones_like(sq.reshape(())), *(statistic(f, grad) for f in stats)])
-    at = torch.arange(len(stats) + 2, device=grad.device) * taps + slot
+def collector_grad(sq: torch.Tensor, grad: torch.Tensor, slot: int, size: int, stats: tuple) -> torch.Tensor:
+    """The collector's gradient from one tap: ‖grad‖² at ``slot`` and, with user statistics
+    (``stats``: the wanted quantities' ``site_grad``), statistic k at ``slot + k·taps``."""
+    if not stats:
+        return F.pad(sq.reshape(1), (slot, size - slot - 1))
+    taps = size // (1 + len(stats))
+    values = torch.stack([sq.reshape(()), *(statistic(f, grad) for f in stats)])
+    at = torch.arange(len(stats) + 1, device=grad.device) * taps + slot
     return values.new_zeros(size).index_copy(0, at, values)
 
 
 class Tap(torch.autograd.Function):
     """Identity in forward; backward passes the gradient on unchanged and adds ‖grad‖²
-    (fp32) at ``slot`` of the collector's gradient (``taps`` slots per channel; its arrival
-    and the user statistics ``stats`` further on: :func:`collector_grad`). Run eagerly (``eager`` given: an
+    (fp32) at ``slot`` of the collector's gradient (and the user statistics ``stats`` further
+    on: :func:`collector_grad`). Run eagerly (``eager`` given: an
     :class:`~gradscope.recorder.eager.EagerGrads`), it hands them to that instead, which
     saves the collector's padding and summing."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, collector: torch.Tensor, slot: int, taps: int, eager, stats: tuple = ()
-                ) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, collector: torch.Tensor, slot: int, eager, stats: tuple = ()) -> torch.Tensor:
         # (forward takes ctx itself: a separate setup_context makes every eager apply bind its
         # arguments through inspect.signature, which costs more than the rest of the tap)
-        ctx.slot, ctx.taps, ctx.size, ctx.eager, ctx.stats = slot, taps, collector.shape[0], eager, stats
+        ctx.slot, ctx.size, ctx.eager, ctx.stats = slot, collector.shape[0], eager, stats
         ctx.epoch = None if eager is None else eager.epoch
         return x.detach()  # an alias, not a view: in-place ops after the site stay legal
 
@@ -46,9 +47,8 @@ class Tap(torch.autograd.Function):
         if ctx.eager is not None:  # eager: hand ‖grad‖² over, no padding or summing
             if ctx.eager.live(ctx.epoch):
                 ctx.eager.add(ctx.slot, grad)
-            return grad, None, None, None, None, None
-        sq = dense_squared_norm(grad)
-        return grad, collector_grad(sq, grad, ctx.slot, ctx.taps, ctx.size, ctx.stats), None, None, None, None
+            return grad, None, None, None, None
+        return grad, collector_grad(dense_squared_norm(grad), grad, ctx.slot, ctx.size, ctx.stats), None, None, None
 
 
 class NormTap(torch.autograd.Function):
@@ -56,15 +56,15 @@ class NormTap(torch.autograd.Function):
     alone, at its input; :func:`~gradscope.recorder.norm_stats.isolated_grad_sq`) at ``slot``."""
 
     @staticmethod
-    def forward(ctx, y, x, collector, slot, taps, kind, w, is_ln, eps, dims, eager, stats=()):
-        ctx.slot, ctx.taps, ctx.kind, ctx.eps, ctx.dims, ctx.eager = slot, taps, kind, eps, dims, eager
-        ctx.size, ctx.stats, ctx.epoch = collector.shape[0], stats, None if eager is None else eager.epoch
+    def forward(ctx, y, x, collector, slot, kind, w, is_ln, eps, dims, eager, stats=()):
+        ctx.slot, ctx.kind, ctx.eps, ctx.dims, ctx.eager, ctx.size = slot, kind, eps, dims, eager, collector.shape[0]
+        ctx.stats, ctx.epoch = stats, None if eager is None else eager.epoch
         ctx.save_for_backward(x, w, is_ln)
         return y.detach()
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        none = (None,) * 11
+        none = (None,) * 10
         if ctx.eager is not None and not ctx.eager.live(ctx.epoch):
             return grad, *none
         x, w, is_ln = ctx.saved_tensors
@@ -72,8 +72,7 @@ class NormTap(torch.autograd.Function):
         if ctx.eager is not None:
             ctx.eager.add(ctx.slot, through)
             return grad, *none
-        sq = dense_squared_norm(through)
-        return grad, None, collector_grad(sq, through, ctx.slot, ctx.taps, ctx.size, ctx.stats), *none[:9]
+        return grad, None, collector_grad(dense_squared_norm(through), through, ctx.slot, ctx.size, ctx.stats), *none[:8]
 
 
 def first_tensor(value) -> torch.Tensor | None:

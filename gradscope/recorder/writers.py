@@ -52,11 +52,11 @@ class TracedWriter:
     def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor:
         """The tapped value whose backward writes ‖grad‖² (and user statistics) into the collector."""
         c = self.capture
-        return c.passed_on(t, Tap.apply(t, c.collector, slot, c.n_taps, None, c.grad_stats_now))
+        return c.passed_on(t, Tap.apply(t, c.collector, slot, None, c.grad_stats_now))
 
     def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
         c = self.capture
-        return NormTap.apply(y, x, c.collector, slot, c.n_taps, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
+        return NormTap.apply(y, x, c.collector, slot, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
 
 
 class EagerWriter(TracedWriter):
@@ -99,8 +99,8 @@ class EagerWriter(TracedWriter):
             out = _ALIAS(t)
             c.eager.retain(out, slot, recompute)
             return c.passed_on(t, out)
-        return c.passed_on(t, Tap.apply(t, c.collector, slot, c.n_taps, c.eager, ()))
+        return c.passed_on(t, Tap.apply(t, c.collector, slot, c.eager, ()))
 
     def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
         c = self.capture
-        return NormTap.apply(y, x, c.collector, slot, c.n_taps, kind, w, is_ln, eps, dims, c.eager, ())
+        return NormTap.apply(y, x, c.collector, slot, kind, w, is_ln, eps, dims, c.eager, ())
