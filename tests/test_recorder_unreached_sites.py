@@ -123,3 +123,96 @@ def test_compiled_a_backward_limited_by_inputs_gives_no_gradient_rows_and_says_w
     for site, value in want.items():
         assert got[site] == pytest.approx(value, rel=1e-5, abs=1e-12), site
     rec.close()
+
+
+def _gradscope_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if str(w.message).startswith("gradscope")]
+
+
+def test_a_backward_that_reaches_no_site_is_not_taken_for_one_that_did_not_run():
+    """``inputs=`` after the last site: alone, the step says a backward may have stopped before
+    every site; after a full backward, that it saw fewer backwards than forwards."""
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 5, 8)
+    head = nn.Linear(8, 8)
+    rec = gradscope.Recorder(model)
+    with pytest.warns(UserWarning, match=r"no backward inside it reached the recorder's sites.*inputs="):
+        with rec.step(0):
+            head(model(x)).square().mean().backward(inputs=[head.weight])
+    with pytest.warns(UserWarning, match=r"ran 2 forwards with grad enabled and the recorder saw 1 backward"):
+        with rec.step(1):
+            head(model(x)).square().mean().backward()
+            head(model(x)).square().mean().backward(inputs=[head.weight])
+    rec.close()
+
+
+def test_one_backward_per_micro_step_gives_no_warning_about_backwards():
+    torch.manual_seed(0)
+    model, x = Net(), torch.randn(2, 5, 8)
+    rec = gradscope.Recorder(model)
+    with pytest.warns(UserWarning) as record:  # (the model's input needs no grad: that warning is expected)
+        with rec.step(0):
+            for _ in range(3):
+                model(x).square().mean().backward()
+    assert not [m for m in _gradscope_warnings(record) if "backward" in m and "did not require grad" not in m]
+    assert set(rec.frame().query("quantity == 'act_grad_norm'").micro_step) == {-1, 0, 1, 2}
+    rec.close()
+
+
+def test_the_warning_names_the_call_of_a_shared_module_that_backward_did_not_reach():
+    class Shared(Net):
+        def forward(self, x):
+            x = self.blocks[0](x)
+            y = self.blocks[1](x)
+            self.blocks[1](x * 2)  # the second call feeds nothing
+            return self.blocks[2](y)
+
+    torch.manual_seed(0)
+    model, x = Shared(), torch.randn(2, 5, 8)
+    rec = gradscope.Recorder(model)
+    with pytest.warns(UserWarning, match=r"\['blocks\.1\.in#2', 'blocks\.1\.ln\.in#2', 'blocks\.1\.ln\.out#2', "
+                                         r"'blocks\.1\.out#2'\] were called with grad enabled, but a backward"):
+        with rec.step(0):
+            model(x).square().mean().backward()
+    sites = set(rec.frame().query("quantity == 'act_grad_norm'").site)
+    assert "blocks.1.out" in sites and "blocks.1.out#2" not in sites
+    rec.close()
+
+
+def test_blocks_compiled_one_by_one_and_a_backward_given_inputs_name_the_compiled_sites():
+    """torchtitan style: each block compiled. A backward given ``inputs=`` reaches the eager
+    sites after the blocks, not the compiled capture: those sites are named as compiled,
+    not as unreached, and the eager rows equal autograd."""
+    class Normed(Net):
+        def __init__(self):
+            super().__init__()
+            self.norm = nn.LayerNorm(8)
+
+        def forward(self, x):
+            return self.norm(super().forward(x))
+
+    torch.manual_seed(0)
+    model, x = Normed(), torch.randn(2, 5, 8)
+    twin = copy.deepcopy(model)
+    kept = {}
+
+    def keep(module, args):
+        kept["norm.in"] = args[0].view_as(args[0])
+        kept["norm.in"].retain_grad()
+        return (kept["norm.in"],)
+
+    twin.norm.register_forward_pre_hook(keep)
+    probe = torch.randn(2, 5, 8)  # (not a sum of squares: through a LayerNorm that gradient cancels to rounding)
+    (twin(x) * probe).sum().backward(inputs=[twin.blocks[2].fc.weight])
+    rec = gradscope.Recorder(model)
+    for block in model.blocks:
+        block.compile(fullgraph=True)
+    with pytest.warns(UserWarning) as record, rec.step(0):
+        (model(x) * probe).sum().backward(inputs=[model.blocks[2].fc.weight])
+    said = _gradscope_warnings(record)
+    assert any("'blocks.0.out'" in m and "ran compiled" in m for m in said), said  # (the list names six)
+    assert not any("did not reach them" in m for m in said), said
+    got = rec.frame().query("quantity == 'act_grad_norm'").set_index("site").value
+    assert "blocks.2.out" not in got
+    assert got["norm.in"] == pytest.approx(kept["norm.in"].grad.norm().item(), rel=1e-5)
+    rec.close()

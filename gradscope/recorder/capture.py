@@ -183,7 +183,8 @@ class Capture:
         if self.device != device or self.collector is None:
             self.device = device
             self.collector = torch.zeros(self.n_collector, device=device, requires_grad=True)
-            self.collector.register_post_accumulate_grad_hook(lambda collector: self.snapshot())
+            # (eager Taps hand the collector no gradient, yet its hook still runs once per backward)
+            self.collector.register_post_accumulate_grad_hook(lambda c: None if c.grad is None else self.snapshot())
             self.fwd = torch.zeros(self.n_slots, self.width, device=device)
             self._indices = [None, None]
             self.cosine.forget()

@@ -67,12 +67,19 @@ class StepChecks:
         gradient is not known, and modules called more often than ``max_calls``."""
         if data.no_backward and (data.order > 0).any():  # (a forward under torch.no_grad expects no gradient)
             traced = not data.blocks["marks"].any()  # the compiled capture marks on the device, eager hooks on the host
-            also = (" Or, as the model ran compiled, a backward given inputs= (loss.backward(inputs=[...])) ran: the "
-                    "compiled capture's gradients reach it only through a backward not limited by inputs=, so such a "
-                    "step has no gradient rows; run backward without inputs= in recorded steps." if traced else "")
-            self.warn_once("no_backward", f"step {step} was recorded but no backward ran inside it, so it has no "
-                           "gradient rows (act_grad_norm, ln_gain, param_grad_norm, ...): call loss.backward() inside "
-                           f"`with rec.step(step):` (or before rec.end_step()).{also} Later steps like this are not "
+            self.warn_once("no_backward", f"step {step} was recorded but no backward inside it reached the recorder's "
+                           "sites, so it has no gradient rows (act_grad_norm, ln_gain, param_grad_norm, ...): call "
+                           "loss.backward() inside `with rec.step(step):` (or before rec.end_step()); or a backward "
+                           "given inputs= (loss.backward(inputs=[...])) stopped before every site"
+                           + (", which under torch.compile is any backward given inputs=: the compiled capture's "
+                              "gradients reach it only through a backward not limited by inputs=" if traced else "")
+                           + ". Later steps like this are not reported again.", stacklevel=5)
+        elif 0 < data.backwards < data.grad_forwards:
+            self.warn_once("unseen_backward", f"step {step} ran {data.grad_forwards} forwards with grad enabled and the "
+                           f"recorder saw {data.backwards} backward(s) reach its sites. Fine if forwards shared a loss "
+                           "(as two passes of a contrastive or preference loss do); but a backward given inputs= that "
+                           "stopped before every site (under torch.compile: any backward given inputs=) is not seen, "
+                           "so the step's gradient rows leave it out and its micro-step merges with the next. Not "
                            "reported again.", stacklevel=5)
         seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
         if not seen:
@@ -121,18 +128,23 @@ class StepChecks:
 
     def _no_gradient(self, data: StepData) -> None:
         """Warns about sites called in the step with no gradient: their value never required
-        grad, or backward did not reach them (they then have no rows, not 0.0)."""
+        grad, or a backward did not reach them (they then have no row for it, not 0.0)."""
         index = {p.name: i for i, p in enumerate(self.points)}
         called = (data.order != 0)[:, : data.grad_sq.shape[1]].any(axis=0)
         tapped = (data.order > 0)[:, : data.grad_sq.shape[1]].any(axis=0)
-        never, missed = ~data.got.any(axis=0), data.missed.any(axis=0)
+        never = ~data.got.any(axis=0)
+        missed = data.missed & ~data.traced_taps
+        unseen = (data.missed & data.traced_taps).any(axis=0)
+        missed = missed.any(axis=0)
         left_out = {n.site_in for n in self.layout.norms if n.name in data.unfit}  # said already, with the reason
-        none, unreached = set(), set()
+        none, unreached, compiled = set(), set(), set()
         for p, c, slot, site in data.slot_sites():
             if p.name in left_out or not self.grad_expected[index[p.name]]:
                 continue
             if missed[slot]:
-                unreached.add(p.name)
+                unreached.add(site)
+            elif unseen[slot]:
+                compiled.add(site)
             elif c == 0 and called[slot] and not tapped[slot] and never[slot]:
                 none.add(p.name)
         self._names(none, "saw no gradient in a step whose backward ran: the tensor there did not require grad "
@@ -142,6 +154,9 @@ class StepChecks:
                     "(loss.backward(inputs=...) stopped before them, or their value does not feed that loss): that "
                     "backward gives them no rows, not 0.0 (act_grad_norm, ln_gain, a site_grad quantity's); the step's "
                     "row sums the backwards that reached them")
+        self._names(compiled, "ran compiled, and a backward of the step reached other sites but not their compiled "
+                    "capture: under torch.compile the capture sees no backward given inputs= (loss.backward(inputs=...)), "
+                    "so that backward gives them no rows; run it without inputs= to record them")
 
     def _names(self, norms: set[str], why: str) -> None:
         """One warning naming every norm of ``norms`` not named before, and ``why``."""

@@ -21,10 +21,11 @@ SCALE = "__scale__"
 
 
 def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n_collector: int, width: int = FWD
-                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                ) -> tuple[np.ndarray, ...]:
     """Splits the captured snapshots into micro-steps: the collector's gradient (M, n_collector:
     ‖grad‖² per tap, then the user statistics), whether each tap's gradient arrived (M, taps:
-    ``REACHED``, ``REACHED_IF_TAPPED`` or 0), order and value (M, slots), the user
+    ``REACHED``, ``REACHED_IF_TAPPED`` or 0), which slots a compiled call marked (M, slots),
+    order and value (M, slots), the user
     statistics' forward channels (M, slots, width − FWD), and each slot's largest norm-fit
     misfit over the step.
 
@@ -35,9 +36,10 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n
     neither is dropped.
     """
     grads, fwd = snapshots[:, :n_collector], snapshots[:, n_collector:].reshape(len(snapshots), -1, width).copy()
-    fwd[:, :, 0] += marks  # eager calls keep their order marks on the host, compiled ones on the device
-    keep_g, keep_r, keep_f, misfit = [], [], [], fwd[:, :, 2].max(axis=0)
-    for g, r, f in zip(grads, reached, fwd):
+    traced = fwd[:, :, 0] != 0  # compiled calls mark on the device, eager ones on the host (``marks``)
+    fwd[:, :, 0] += marks
+    keep_g, keep_r, keep_t, keep_f, misfit = [], [], [], [], fwd[:, :, 2].max(axis=0)
+    for g, r, t, f in zip(grads, reached, traced, fwd):
         called = bool((f[:, 0] != 0).any())
         if not called:
             if keep_g:
@@ -46,13 +48,14 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n
             continue
         keep_g.append(g.copy())
         keep_r.append(r)
+        keep_t.append(t)
         keep_f.append(f)
     if not keep_g:
         n = fwd.shape[1]
-        return (np.zeros((0, n_collector)), np.zeros((0, reached.shape[1]), dtype=np.int8), np.zeros((0, n)),
-                np.zeros((0, n)), np.zeros((0, n, width - FWD)), misfit)
+        return (np.zeros((0, n_collector)), np.zeros((0, reached.shape[1]), dtype=np.int8), np.zeros((0, n), dtype=bool),
+                np.zeros((0, n)), np.zeros((0, n)), np.zeros((0, n, width - FWD)), misfit)
     f = np.stack(keep_f)
-    return np.stack(keep_g), np.stack(keep_r), f[:, :, 0], f[:, :, 1], f[:, :, FWD:], misfit
+    return np.stack(keep_g), np.stack(keep_r), np.stack(keep_t), f[:, :, 0], f[:, :, 1], f[:, :, FWD:], misfit
 
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
@@ -82,8 +85,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
             v = v / scale
         device.setdefault(k.quantity, []).append((k, float(v)))
     n_taps = len(points) * K
-    collector, reached, order, value, user_fwd, misfit = micro_steps(blocks["snapshots"], blocks["marks"],
-                                                                 blocks["reached"], n_taps * (1 + len(grad_stats)), width)
+    collector, reached, traced, order, value, user_fwd, misfit = micro_steps(
+        blocks["snapshots"], blocks["marks"], blocks["reached"], n_taps * (1 + len(grad_stats)), width)
     grad_sq = collector[:, :n_taps]
     # a gradient arrived: eagerly as seen; after a compiled backward where tapped (or non-zero:
     # a tap that reentrant checkpointing recomputed)
@@ -112,7 +115,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
     user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
     data = StepData(layout, points, K, grad_sq, arrived, order, value, device, blocks, unfit, no_backward, low,
-                    user_values, user_grads, untold, guessed)
+                    user_values, user_grads, untold, guessed, traced=traced[:, :n_taps], backwards=backwards,
+                    grad_forwards=grad_forwards)
     rows: list = []
     for name, quantity in quantities.items():
         if name in wants and not quantity.logged:

@@ -39,6 +39,9 @@ class StepData:
     user_grads: dict[str, np.ndarray] = field(default_factory=dict)  # quantity -> (M, taps) of its site_grad
     untold: set[str] = field(default_factory=set)  # fitted norms whose unnamed eps the call could not tell (in unfit)
     guessed: set[str] = field(default_factory=set)  # fitted norms whose unnamed eps was guessed (rows kept)
+    traced: np.ndarray | None = None  # (M, taps) bool: slots a compiled call marked (their arrival is not seen)
+    backwards: int = 1  # backwards the capture saw in the step
+    grad_forwards: int = 1  # forwards of the step that ran with grad enabled
 
     @property
     def micro_steps(self) -> int:
@@ -56,10 +59,17 @@ class StepData:
     @cached_property
     def missed(self) -> np.ndarray:
         """(M, taps) bool: micro-steps in which a slot was tapped for its gradient and a
-        backward ran (another slot's gradient arrived) but its own never came: backward did
-        not reach it (``backward(inputs=...)``, or a value that does not feed the loss)."""
+        backward ran (another slot's gradient arrived) but its own never came. Eagerly,
+        backward did not reach it (``backward(inputs=...)``, or a value that does not feed
+        the loss); for a compiled call (:attr:`traced`), the compiled capture did not see
+        that backward (one given ``inputs=``)."""
         tapped = self.order[:, : self.grad_sq.shape[1]] > 0
         return tapped & ~self.arrived & self.arrived.any(axis=1, keepdims=True)
+
+    @property
+    def traced_taps(self) -> np.ndarray:
+        """(M, taps) bool: :attr:`traced`, all False when not given."""
+        return self.traced if self.traced is not None else np.zeros_like(self.arrived)
 
     @cached_property
     def _sites(self) -> list[tuple[Probe, int, int, str]]:
