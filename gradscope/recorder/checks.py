@@ -149,7 +149,7 @@ class StepChecks:
                 none.add(p.name)
         self._names(none, "saw no gradient in a step whose backward ran: the tensor there did not require grad "
                     "(a model input, or a value computed under torch.no_grad), so they have no gradient rows (act_grad_norm, "
-                    "a site_grad quantity's)")
+                    "the ln_gain of a norm whose input it is, a site_grad quantity's)")
         self._names(unreached, "were called with grad enabled, but a backward of the step did not reach them "
                     "(loss.backward(inputs=...) stopped before them, or their value does not feed that loss): that "
                     "backward gives them no rows, not 0.0 (act_grad_norm, ln_gain, a site_grad quantity's); the step's "

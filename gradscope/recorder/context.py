@@ -95,12 +95,24 @@ class StepContext:
         self.buffer.add_block(name, values)
 
     # -- what is there to read ---------------------------------------------------------------
+    def param_grad_squares(self) -> torch.Tensor | None:
+        """‖p.grad‖² per parameter (``groups.params`` order, 0 without a gradient), computed
+        once per step; None when no parameter has a gradient."""
+        if "param_grad_squares" not in self._cache:
+            self._cache["param_grad_squares"] = self.groups.squared_norms(self._grads())
+        return self._cache["param_grad_squares"]
+
     def group_grad_norms(self) -> torch.Tensor | None:
         """‖grad‖ per parameter group (``groups.keys(...)`` order), computed once per step;
         None when no parameter has a gradient."""
         if "group_grad_norms" not in self._cache:
-            self._cache["group_grad_norms"] = self.groups.group_norms(self._grads())
+            sq = self.param_grad_squares()
+            self._cache["group_grad_norms"] = None if sq is None else (self.groups.membership(sq.device) @ sq).sqrt()
         return self._cache["group_grad_norms"]
+
+    def has_grads(self) -> list[bool]:
+        """Per parameter (``groups.params`` order): whether it has a gradient now."""
+        return [g is not None for g in self._grads()]
 
     def _grads(self) -> list:
         """Every parameter's ``.grad`` now (read once per step)."""
@@ -112,8 +124,7 @@ class StepContext:
         """Per parameter group: whether any of its parameters has a gradient (a frozen
         group's norm is not 0.0 but absent). Host-side, no device work."""
         if "with_grads" not in self._cache:
-            has = [g is not None for g in self._grads()]
-            self._cache["with_grads"] = self.groups.any_member(has)
+            self._cache["with_grads"] = self.groups.any_member(self.has_grads())
         return self._cache["with_grads"]
 
     @property

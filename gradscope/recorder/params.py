@@ -131,6 +131,10 @@ class ParamGroups:
         sq = self.squared_norms(tensors)
         return None if sq is None else (self.membership(sq.device) @ sq).sqrt()
 
+    def host_sums(self, values: np.ndarray) -> np.ndarray:
+        """Per group, the sum of its member parameters' ``values`` (``self.params`` order), on the host."""
+        return self._membership_np @ np.asarray(values, dtype=np.float64)
+
     def any_member(self, flags: list[bool]) -> list[bool]:
         """Per group: whether any member parameter's flag (``self.params`` order) is set."""
         hit = np.asarray(flags, dtype=np.float64)  # host flags: no tensor is read

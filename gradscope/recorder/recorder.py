@@ -24,6 +24,7 @@ passed in ``quantities``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import warnings
 import weakref
@@ -150,8 +151,9 @@ class Recorder:
         self._forward_params = positional_names(model)
         self._value_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_values)
         self._grad_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_grads)
-        masks = weakref.WeakMethod(self._token_masks)  # the capture outlives no Recorder (capture.forget)
-        self._capture = Capture(model, self.layout, options.max_calls, lambda args, kwargs: masks()(args, kwargs),
+        # (a function of the model alone: the capture holds no Recorder, and Dynamo traces it)
+        masks = functools.partial(token_masks, model, [s.name for s in self.layout.stacks], self._forward_params)
+        self._capture = Capture(model, self.layout, options.max_calls, masks,
                                 value_stats=[self._quantities[n].site_value for n in self._value_stats],
                                 grad_stats=[self._quantities[n].site_grad for n in self._grad_stats])
         self._capture.install(frozenset().union(*(q.captures for q in self._quantities.values())))
@@ -209,6 +211,7 @@ class Recorder:
         if self._step is not None:
             raise RuntimeError(f"Recorder.step({step}): step {self._step} is still open (steps do not nest)")
         self._step = step
+        self._updates.expire(step, self._checks.warn_once)
         if self._replay is not None and not replay:
             self._replay.before()
         if not (replay or self.records(step)):
@@ -217,6 +220,8 @@ class Recorder:
         self._late.begin(step)
         slow = replay or step % (self.every * self.slow_every) == 0
         self._wants = {n for n, q in self._quantities.items() if slow or not q.slow}
+        if "update_ratio" in self._wants and self.optimizer is not None:
+            self._updates.pending = step  # the next optimizer.step(), inside the step or after it
         captures = set().union(*(self._quantities[q].captures for q in self._wants))
         stats = any(n in self._wants for n in self._value_stats + self._grad_stats)
         self._buffer = StepBuffer()
@@ -240,6 +245,7 @@ class Recorder:
     def abort_step(self) -> None:
         """Discards the open step (after an exception): nothing stored."""
         self._capture.discard()
+        self._updates.pending = None
         self._step, self._buffer, self._recording = None, None, False
 
     def run(self, step: int, closure: Callable[[], Any], *, log_loss: bool = True) -> Any:
@@ -343,8 +349,6 @@ class Recorder:
         host = (keys, values, blocks, wants, calls, params_unscaled(self.scaler), self._capture.backwards,
                 self._capture.grad_forwards)
         self._late.step(step, host, now=not self._checks.ever_seen)  # (until a hook fired: checked now)
-        if "update_ratio" in wants and self.optimizer is not None:
-            self._updates.pending = step
 
     def _rows(self, step: int, host: tuple) -> tuple[list, np.ndarray]:
         """The rows of one recorded step from its host values (:class:`LateRows` calls it)."""
@@ -363,10 +367,6 @@ class Recorder:
 
     def _grad_scale(self) -> torch.Tensor | None:
         return grad_scale(self.scaler)
-
-    # -- masks for cosine ----------------------------------------------------------------
-    def _token_masks(self, args, kwargs) -> dict[str, torch.Tensor]:
-        return token_masks(self.model, [s.name for s in self.layout.stacks], self._forward_params, args, kwargs)
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:

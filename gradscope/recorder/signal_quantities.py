@@ -11,6 +11,7 @@ heads for the logit, mean over heads for the entropy).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from gradscope.recorder.layout import Layout
@@ -105,44 +106,49 @@ class SublayerOutRms(_Signal):
 
 
 class GradRmsOverEps(_Signal):
-    """Per parameter group, the gradient RMS ‖g‖/√n divided by the optimizer's ε (Wortsman
-    et al. 2023 §3.4; Everett et al. 2024): near or below 1, Adam's update shrinks."""
+    """Per parameter group, the RMS of g/ε over its elements (Wortsman et al. 2023 §3.4;
+    Everett et al. 2024): near or below 1, Adam's update shrinks.
+
+    sqrt(Σ_p ‖g_p‖²/ε_p² / Σ_p n_p) over the group's parameters that have a gradient and
+    that the optimizer steps, each with the ε of its own optimizer group (a decay / no-decay
+    split may give a layer's weights and biases different ε); ‖g‖/√n/ε when they share one.
+    """
 
     name, needs_backward = "grad_rms_over_eps", True
-    description = "per parameter group, the gradient RMS ‖g‖/√n over the optimizer's ε (Adam's update shrinks near 1)"
+    description = "per parameter group, the RMS of g / ε over its elements (Adam's update shrinks near 1)"
     paper = "Wortsman et al. 2023, §3.4; Everett et al. 2024"
 
     def collect(self, ctx):
-        eps = _group_eps(ctx)
+        eps = _param_eps(ctx)
         if eps is None:
             ctx.warn_once(self.name, "grad_rms_over_eps needs the optimizer (Recorder(optimizer=...)) and an 'eps' "
                           "in its param groups (Adam, AdamW, ...): no rows")
             return
-        norms = ctx.group_grad_norms()
-        if norms is None:
+        sq = ctx.param_grad_squares()
+        if sq is None:
             return
-        numel = ctx.groups.membership(norms.device) @ torch.tensor(
-            [float(p.numel()) for p in ctx.groups.params], device=norms.device)
-        keys, rms = ctx.groups.keys(self.name), norms / numel.clamp_min(1).sqrt() / torch.tensor(eps, device=norms.device)
-        ok = ctx.groups_with_grads()  # a frozen group has no gradient, so no row
-        at = [i for i, k in enumerate(ok) if k]
-        ctx.add_many([keys[i] for i in at], rms[torch.tensor(at, device=rms.device)])
+        counted = [has and e is not None for has, e in zip(ctx.has_grads(), eps)]  # frozen or not stepped: left out
+        numel = np.array([float(p.numel()) if c else 0.0 for p, c in zip(ctx.groups.params, counted)])
+        elements = ctx.groups.host_sums(numel)  # per group, on the host: which groups have a row
+        weight = torch.tensor([1.0 / e**2 if c else 0.0 for e, c in zip(eps, counted)], dtype=torch.float64)
+        over_eps = ctx.groups.membership(sq.device).double() @ (sq.double() * weight.to(sq.device))
+        at = [i for i, n in enumerate(elements.tolist()) if n > 0]
+        if not at:
+            return
+        keys = ctx.groups.keys(self.name)
+        index = torch.tensor(at, device=sq.device)
+        rms = (over_eps[index] / torch.tensor(elements[at], device=sq.device)).sqrt().float()
+        ctx.add_many([keys[i] for i in at], rms)
 
 
-def _group_eps(ctx) -> list[float] | None:
-    """Adam's ε of each parameter group's first parameter, or None without an optimizer with ε."""
+def _param_eps(ctx) -> list[float | None] | None:
+    """Adam's ε of each parameter (``groups.params`` order; None for one the optimizer does
+    not step), or None without an optimizer with ε."""
     opt = ctx.optimizer
     if opt is None or not all("eps" in g for g in opt.param_groups):
         return None
     eps = {id(p): float(g["eps"]) for g in opt.param_groups for p in g["params"]}
-    index = {n: i for i, n in enumerate(ctx.groups.names)}
-    params = ctx.groups.params
-    out = []
-    for g in ctx.groups.groups:
-        members = ctx.layout.param_groups[g][2]
-        first = next((params[index[m]] for m in members if m in index), None)
-        out.append(eps.get(id(first), next(iter(eps.values()), 1e-8)))
-    return out
+    return [eps.get(id(p)) for p in ctx.groups.params]
 
 
 def _per_head(ctx, site: str, quantity: str, heads: torch.Tensor, layer: torch.Tensor) -> None:

@@ -21,7 +21,7 @@ class UpdateRatioHooks:
 
     def __init__(self, groups: ParamGroups, emit: Callable[[int, list[Key], np.ndarray], None]) -> None:
         self.groups, self.emit = groups, emit
-        self.pending: int | None = None  # the recorded step whose update is measured next
+        self.pending: int | None = None  # the recorded step whose update is measured next (set when it opens)
         self._before: list[torch.Tensor] | None = None
         self._handles: list = []
 
@@ -36,6 +36,17 @@ class UpdateRatioHooks:
         for h in self._handles:
             h.remove()
         self._handles = []
+
+    def expire(self, step: int, warn: Callable[..., None]) -> None:
+        """A new step opens: a recorded step whose optimizer never stepped (a GradScaler that
+        skipped it on inf/NaN gradients, or an optimizer stepping every few steps) has no
+        update, so no row, rather than the next step's update under its index."""
+        if self.pending is not None and self.pending != step:
+            warn("update_ratio_expired", f"no update_ratio row for step {self.pending}: the optimizer did not step "
+                 f"before step {step} opened (a GradScaler skipped it on inf/NaN gradients, or the optimizer steps "
+                 "every few steps); the update is measured around optimizer.step() inside the recorded step or "
+                 "after it. Not reported again.", stacklevel=6)
+            self.pending, self._before = None, None
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         if self.pending is not None:

@@ -1,0 +1,117 @@
+"""The quantities read around the optimizer, against references computed here: update_ratio
+of a step whose optimizer did not step (no row, not the next step's update), update_ratio
+measured around an optimizer.step() inside the recorded step, and grad_rms_over_eps with
+frozen parameters and a decay / no-decay split of ε. And cosine under torch.compile."""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+
+import pytest
+import torch
+from torch import nn
+
+import gradscope
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+
+def _ratio(before: list[torch.Tensor], model: nn.Module) -> float:
+    """‖Δθ‖/‖θ‖ over every parameter, in fp64."""
+    delta = sum((p.detach().double() - b.double()).square().sum().item() for p, b in zip(model.parameters(), before))
+    return math.sqrt(delta) / math.sqrt(sum(b.double().square().sum().item() for b in before))
+
+
+def _total(rec, quantity: str) -> dict[int, float]:
+    df = rec.frame().query("quantity == @quantity and site == ''")
+    return dict(zip(df.step, df.value))
+
+
+def test_a_step_whose_optimizer_did_not_step_has_no_update_ratio_and_the_next_its_own():
+    model, x = _model(), torch.randn(2, 5, 16)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    rec = gradscope.Recorder(model, quantities=["update_ratio"], optimizer=opt, slow_every=1)
+    want = {}
+    for step in range(3):
+        opt.zero_grad()
+        with pytest.warns(UserWarning, match="no update_ratio row for step 0") if step == 1 else nullcontext():
+            with rec.step(step):
+                model(x).square().mean().backward()
+        if step == 0:
+            continue  # as a GradScaler does on inf gradients: no optimizer step
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step()
+        want[step] = _ratio(before, model)
+    got = _total(rec, "update_ratio")
+    assert set(got) == {1, 2}, "a row for the step whose optimizer did not step"
+    for step, value in want.items():
+        assert got[step] == pytest.approx(value, rel=1e-6), step
+    rec.close()
+
+
+def test_an_optimizer_step_inside_the_recorded_step_is_that_step_s_update():
+    model, x = _model(), torch.randn(2, 5, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradscope.Recorder(model, quantities=["update_ratio"], optimizer=opt, slow_every=1)
+    want = {}
+    for step in range(2):
+        with rec.step(step):
+            model(x).square().mean().backward()
+            before = [p.detach().clone() for p in model.parameters()]
+            opt.step()
+            opt.zero_grad()
+        want[step] = _ratio(before, model)
+    got = _total(rec, "update_ratio")
+    for step, value in want.items():
+        assert got[step] == pytest.approx(value, rel=1e-6), step
+    rec.close()
+
+
+def test_grad_rms_over_eps_counts_what_the_optimizer_steps_with_each_parameter_s_eps():
+    """sqrt(Σ ‖g_p‖²/ε_p² / Σ n_p) over parameters with a gradient: one frozen weight, and
+    biases in an optimizer group of their own ε."""
+    model, x = _model(), torch.randn(2, 5, 16)
+    frozen = model.layers[1].linear1.weight
+    frozen.requires_grad_(False)
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    weights = [p for n, p in model.named_parameters() if not n.endswith("bias") and p.requires_grad]
+    opt = torch.optim.Adam([{"params": weights, "eps": 1e-8}, {"params": biases, "eps": 1e-6}])
+    rec = gradscope.Recorder(model, quantities=["grad_rms_over_eps"], optimizer=opt)
+    with rec.step(0):
+        model(x).square().mean().backward()
+    eps = {id(p): 1e-8 for p in weights} | {id(p): 1e-6 for p in biases}
+
+    def reference(prefix: str) -> float:
+        members = [p for n, p in model.named_parameters() if n.startswith(prefix) and p.grad is not None]
+        over = sum(p.grad.double().square().sum().item() / eps[id(p)] ** 2 for p in members)
+        return math.sqrt(over / sum(p.numel() for p in members))
+
+    df = rec.frame().query("quantity == 'grad_rms_over_eps'").set_index("site").value
+    for site, prefix in (("", ""), ("layers.1", "layers.1."), ("layers.1.linear1", "layers.1.linear1."),
+                         ("layers.0.linear2", "layers.0.linear2.")):
+        assert df[site] == pytest.approx(reference(prefix), rel=1e-6), site
+    rec.close()
+
+
+def test_cosine_under_compile_equals_eager():
+    """The cosine token masks are asked for inside the compiled forward (a function of the
+    model, which Dynamo traces)."""
+    x = torch.randn(2, 5, 16)
+    got = {}
+    for compiled in (False, True):
+        model = _model()
+        rec = gradscope.Recorder(model, quantities=["cosine"])
+        run = torch.compile(model, fullgraph=True) if compiled else model
+        with rec.step(0):
+            run(x).square().mean().backward()
+        df = rec.frame().query("quantity == 'cosine'")
+        got[compiled] = dict(zip(zip(df.layer, df.layer_j), df.value))
+        rec.close()
+    assert got[True] and got[True].keys() == got[False].keys()
+    for key, value in got[False].items():
+        assert got[True][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
