@@ -123,3 +123,37 @@ def test_tensorboard_scalars_read_back(tmp_path):
     got = scalars[(scalars.tag == "act_grad_norm/decoder.layers.1.out") & (scalars.step == 1)].value.item()
     assert got == pytest.approx(row.value, rel=1e-6)
     assert set(scalars[scalars.tag == "loss/total"].step) == {0, 1}
+
+
+def test_lightning_loss_row_is_the_mean_over_micro_batches_of_recorded_steps_only():
+    lightning = pytest.importorskip("lightning")
+    from gradscope.integrations.lightning import GradscopeCallback
+
+    losses: list[float] = []
+
+    class LitLM(lightning.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = gradscope.build_model(gradscope.presets.tiny(variant="pre_ln", arch="decoder", vocab=40))
+
+        def training_step(self, batch, batch_idx):
+            (tokens,) = batch
+            loss = F.cross_entropy(self.model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.Adam(self.parameters(), lr=1e-3)
+
+    torch.manual_seed(0)
+    tokens = torch.randint(3, 40, (24, 9), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
+    callback = GradscopeCallback(quantities="default", every=2)
+    trainer = lightning.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
+                                enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+                                accumulate_grad_batches=2)
+    trainer.fit(LitLM(), loader)
+    rows = callback.recorder.frame().query("quantity == 'loss'")
+    assert sorted(rows.step) == [0, 2], "a loss row for a step the schedule did not record"
+    for step, value in zip(rows.step, rows.value):
+        assert value == pytest.approx((losses[2 * step] + losses[2 * step + 1]) / 2, rel=1e-6), step

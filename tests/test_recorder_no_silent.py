@@ -127,10 +127,11 @@ def test_a_run_killed_and_resumed_from_a_checkpoint_loads_each_step_once(tmp_pat
     assert not df.duplicated(KEY).any(), df[df.duplicated(KEY, keep=False)].sort_values(KEY).head()
     per_step = df.groupby("step").quantity.value_counts().unstack(fill_value=0)
     assert (per_step.loss == 1).all() and (per_step.act_grad_norm == per_step.act_grad_norm.iloc[0]).all()
-    # steps 5-7 are the resumed run's (it drew other batches, so its values differ): last write wins
+    # the resumed run's frame() is what load gives (the earlier run's parts in its folder, then
+    # its own); steps 5-7 are the resumed run's (it drew other batches, so its values differ)
     resumed = gradscope.load(tmp_path / "resumed.parquet")
-    both = df[df.step >= 5].merge(resumed, on=KEY, suffixes=("", "_resumed"))
-    assert len(both) == len(df[df.step >= 5]) == len(resumed)
+    both = df.merge(resumed, on=KEY, suffixes=("", "_resumed"))
+    assert len(both) == len(df) == len(resumed)
     assert (both.value == both.value_resumed).all()
     killed = first[first.step.between(5, 7)].merge(resumed, on=KEY, suffixes=("", "_resumed"))
     assert (killed.quantity == "loss").any() and (killed.value != killed.value_resumed).any()

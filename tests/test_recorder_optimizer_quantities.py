@@ -115,3 +115,46 @@ def test_cosine_under_compile_equals_eager():
     assert got[True] and got[True].keys() == got[False].keys()
     for key, value in got[False].items():
         assert got[True][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_a_step_opened_inside_optimizer_step_closure_is_that_step_s_update():
+    """As Lightning does (its hooks, and a spike replay, run in the closure that
+    ``optimizer.step(closure)`` calls before the parameters change)."""
+    model, x = _model(), torch.randn(2, 5, 16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradscope.Recorder(model, quantities=["update_ratio"], optimizer=opt, slow_every=1)
+    want = {}
+    for step in range(2):
+        def closure(step=step):
+            opt.zero_grad()
+            with rec.step(step):
+                loss = model(x).square().mean()
+                loss.backward()
+            return loss
+
+        before = [p.detach().clone() for p in model.parameters()]
+        opt.step(closure)
+        want[step] = _ratio(before, model)
+    got = _total(rec, "update_ratio")
+    for step, value in want.items():
+        assert got[step] == pytest.approx(value, rel=1e-6), step
+    rec.close()
+
+
+def test_update_ratio_asked_for_without_an_optimizer_says_so():
+    model, x = _model(), torch.randn(2, 5, 16)
+    rec = gradscope.Recorder(model, quantities=["update_ratio"], slow_every=1)
+    with pytest.warns(UserWarning, match="update_ratio is measured around optimizer.step"), rec.step(0):
+        model(x).square().mean().backward()
+    rec.close()
+
+
+def test_log_of_a_tensor_that_is_not_a_scalar_names_the_quantity():
+    model = _model()
+    rec = gradscope.Recorder(model)
+    with pytest.raises(ValueError, match=r"Recorder.log\('loss', ...\): the value must be a scalar.*\(3,\)"):
+        with rec.step(0):
+            rec.log("loss", torch.ones(3))
+    with pytest.raises(ValueError, match="every: must be an integer >= 1, got True"):
+        gradscope.Recorder(model, every=True)
+    rec.close()

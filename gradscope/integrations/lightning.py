@@ -42,6 +42,8 @@ class GradscopeCallback(Callback):
         self.recorder: Recorder | None = None
         self._batches: list = []  # (batch, batch_idx) of the open step, kept only while watching
         self._loss = None
+        self._logged = None  # Σ over the step's micro-batches of their loss / accumulate_grad_batches
+        self._log_loss = False  # the step is recorded (or replayed): its loss gets a row
 
     def on_fit_start(self, trainer, pl_module):
         if self.recorder is None:
@@ -51,8 +53,8 @@ class GradscopeCallback(Callback):
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.recorder.open_step is None:
-            self.recorder.begin_step(trainer.global_step)
-            self._batches, self._loss = [], None
+            self._log_loss = self.recorder.begin_step(trainer.global_step)
+            self._batches, self._loss, self._logged = [], None, None
         if self.recorder.watch is not None:
             self._batches.append((batch, batch_idx))
 
@@ -66,13 +68,22 @@ class GradscopeCallback(Callback):
             self.recorder.end_step()
             if self.recorder.watch is not None and self._loss is not None:
                 batches = self._batches
-                self.recorder.check_spike(step, self._loss, lambda: _rerun(trainer, pl_module, batches))
+                reading = self.recorder.check_spike(step, self._loss, lambda: _rerun(trainer, pl_module, batches))
+                self._log_loss = self._log_loss or reading.flagged  # (a flagged step the schedule skipped is replayed)
             self._batches, self._loss = [], None
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        """The step's ``loss`` row: the mean of its micro-batches' losses. Lightning hands each
+        micro-batch's loss over divided by ``accumulate_grad_batches``, so their sum is the
+        mean; it is logged once the step has closed (after the last micro-batch), for a
+        recorded or replayed step only."""
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        if loss is not None and self.recorder.open_step is None:
-            self.recorder.log("loss", loss.detach(), step=trainer.global_step - 1)
+        if loss is not None:
+            self._logged = loss.detach() if self._logged is None else self._logged + loss.detach()
+        if self.recorder.open_step is None and self._logged is not None:
+            if self._log_loss:
+                self.recorder.log("loss", self._logged, step=trainer.global_step - 1)
+            self._logged = None
 
     def on_fit_end(self, trainer, pl_module):
         if self.recorder is not None:

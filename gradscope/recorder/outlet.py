@@ -3,7 +3,8 @@
 One :class:`Outlet` per Recorder. Without a :class:`~gradscope.sinks.parquet.ParquetSink`
 the rows are kept in memory (the Recorder's ``RowStore``) as before, and ``frame()`` reads
 them there; with one (``log_dir=``) nothing is kept in memory beyond its flush buffer, and
-``frame()`` reads the parts this Recorder wrote plus the buffer. Other sinks (TensorBoard,
+``frame()`` reads this rank's parts in ``log_dir`` (an earlier run's too, when a run is
+resumed into its folder) plus the buffer, as ``gradscope.load`` would. Other sinks (TensorBoard,
 W&B) receive the same rows either way.
 """
 

@@ -33,7 +33,6 @@ from typing import Any
 from pathlib import Path
 
 import numpy as np
-import pandas as pd
 import torch
 from torch import nn
 
@@ -47,6 +46,7 @@ from gradscope.recorder.options import RecorderOptions, moved_options, positiona
 from gradscope.recorder.outlet import Outlet, make_sinks
 from gradscope.recorder.params import ParamGroups
 from gradscope.recorder.quantities import resolve_quantities
+from gradscope.recorder.recorded_table import RecordedTable
 from gradscope.recorder.replay import Reading, ReplayOptions, SpikeReplay, SpikeWatch, replay_options
 from gradscope.recorder.spike import SpikeDetector
 from gradscope.recorder.store import StepBuffer
@@ -56,7 +56,7 @@ from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table.keys import model_key
 from gradscope.table.rows import RowStore
 
-class Recorder:
+class Recorder(RecordedTable):
     """Records gradient norms and LayerNorm statistics of ``model``.
 
     Make it before the first call of a compiled model (``torch.compile`` sees only hooks
@@ -121,12 +121,13 @@ class Recorder:
     ) -> None:
         options = moved_options(moved) or options or RecorderOptions()
         for name, value in (("every", every), ("slow_every", slow_every)):
-            if not isinstance(value, int) or value < 1:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
         watch = replay_options(on_spike)
         model = unwrap(model)
         self.model = model
         self._quantities = resolve_quantities(quantities)
+        self._named = set() if isinstance(quantities, str) else {q for q in quantities if isinstance(q, str)}
         self.quantities = tuple(self._quantities)
         self.every, self.slow_every = every, slow_every
         self.layout = find_layout(model, sites)
@@ -221,7 +222,11 @@ class Recorder:
         slow = replay or step % (self.every * self.slow_every) == 0
         self._wants = {n for n, q in self._quantities.items() if slow or not q.slow}
         if "update_ratio" in self._wants and self.optimizer is not None:
-            self._updates.pending = step  # the next optimizer.step(), inside the step or after it
+            self._updates.open(step)  # the next optimizer.step(), inside the step or after it
+        elif "update_ratio" in self._wants and "update_ratio" in self._named:
+            self._checks.warn_once("update_ratio", "update_ratio is measured around optimizer.step(): give the "
+                                   "Recorder the optimizer (Recorder(model, optimizer=opt), or rec.attach_optimizer(opt)); "
+                                   "until then it has no rows", stacklevel=5)
         captures = set().union(*(self._quantities[q].captures for q in self._wants))
         stats = any(n in self._wants for n in self._value_stats + self._grad_stats)
         self._buffer = StepBuffer()
@@ -315,6 +320,9 @@ class Recorder:
         in one step (once per micro-batch), a quantity gets rows with micro_step 0, 1, ...
         and their mean as the step's row (micro_step -1).
         """
+        if isinstance(value, torch.Tensor) and value.numel() != 1:
+            raise ValueError(f"Recorder.log({quantity!r}, ...): the value must be a scalar (a number, or a tensor of "
+                             f"one element), got a tensor of shape {tuple(value.shape)}")
         key = model_key(quantity)
         if self._buffer is not None and step in (None, self._step):
             if isinstance(value, torch.Tensor):
@@ -368,54 +376,6 @@ class Recorder:
     def _grad_scale(self) -> torch.Tensor | None:
         return grad_scale(self.scaler)
 
-    # -- checkpoints -------------------------------------------------------------------------
-    def state_dict(self) -> dict:
-        """Recorded rows and the sampling generator's state, as plain containers and tensors
-        (loads with ``torch.load(weights_only=True)``)."""
-        self._late.drain()
-        return {"rows": self._store.state_dict(), "generator": self._generator.get_state()}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restores what :meth:`state_dict` saved (e.g. when resuming from a checkpoint)."""
-        self._store.load_state_dict(state["rows"])
-        self._generator.set_state(state["generator"])
-        steps = self._store.steps()
-        self._checks.last_recorded = max(steps) if steps else None
-
-    # -- output ----------------------------------------------------------------------------
-    def frame(self, *, gather: bool = False, dst: int = 0) -> pd.DataFrame | None:
-        """Everything recorded so far as the tidy table of SPEC §3.
-
-        Args:
-            gather: collect every rank's rows on rank ``dst``
-                (:func:`gradscope.distributed.gather_frame`). Collective: every rank must
-                call it; the other ranks get None.
-            dst: the rank that receives the gathered table.
-        """
-        if gather:
-            from gradscope.recorder.collectives import gather_frame
-            return gather_frame(self, dst=dst)
-        self._late.drain()
-        disk = self._out.frame()  # with log_dir: the parts written so far and the buffer
-        return disk if disk is not None else self._store.frame(run=self.run_name, variant=self.variant, rank=self.rank,
-                                                               reduction=self.reduction)
-
-    def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
-        """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``).
-
-        With ``gather=True`` every rank must call it; rank ``dst`` writes all ranks' rows
-        and the others write nothing.
-        """
-        from gradscope.io import save_frame
-        df = self.frame(gather=gather, dst=dst)
-        if df is not None:
-            save_frame(df, path)
-
-    def flush(self) -> None:
-        """Writes what the sinks buffer (a part file for ``log_dir``, pending tracker rows) now."""
-        self._late.drain()
-        self._out.flush()
-
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer) and flushes and closes the sinks;
         the recorded table stays readable."""
@@ -433,12 +393,6 @@ class Recorder:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-    @property
-    def rows_in_memory(self) -> int:
-        """Rows kept in memory (none beyond a flush buffer with ``log_dir``)."""
-        self._late.drain()
-        return len(self._store)
 
     @property
     def site_names(self) -> list[str]:

@@ -128,6 +128,14 @@ class SpikeWatch:
         self.flagged: list[Reading] = []
         self.last: Reading | None = None
 
+    def state_dict(self) -> dict:
+        """The rule's windows (a checkpoint); the flagged readings stay in the table's rows."""
+        return self._rule.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores the windows :meth:`state_dict` saved."""
+        self._rule.load_state_dict(state)
+
     def observe(self, step: int, loss: float, grad_norm: float) -> Reading:
         """Checks one step's values against the windows, then adds them."""
         zs = []

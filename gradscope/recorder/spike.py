@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 import pandas as pd
+import torch
 
 from gradscope.recorder.quantities import REGISTRY
 from gradscope.table.keys import Key
@@ -63,6 +64,20 @@ class SpikeDetector:
         self._index: dict[tuple, int] = {}
         self._ring = np.full((0, window), np.nan)  # (series, window): previous values, NaN = empty or non-finite
         self._seen = np.zeros(0, dtype=np.int64)  # values pushed per series
+
+    def state_dict(self) -> dict:
+        """The windows of every series, as plain containers and tensors (a checkpoint)."""
+        return {"keys": [list(k) for k in self._index], "ring": torch.from_numpy(self._ring.copy()),
+                "seen": torch.from_numpy(self._seen.copy())}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores the windows :meth:`state_dict` saved (a resumed run judges its first
+        steps against the history it had, not against none)."""
+        ring = state["ring"].numpy()
+        if ring.shape[1:] != (self.window,):
+            raise ValueError(f"spike state: a window of {ring.shape[1:]} values, this detector keeps {self.window}")
+        self._index = {Key(*k): i for i, k in enumerate(state["keys"])}
+        self._ring, self._seen = ring.copy(), state["seen"].numpy().copy()
 
     def _ids(self, keys: list[Key]) -> tuple[np.ndarray, np.ndarray]:
         rows, ids = [], []

@@ -21,8 +21,9 @@ class UpdateRatioHooks:
 
     def __init__(self, groups: ParamGroups, emit: Callable[[int, list[Key], np.ndarray], None]) -> None:
         self.groups, self.emit = groups, emit
-        self.pending: int | None = None  # the recorded step whose update is measured next (set when it opens)
+        self.pending: int | None = None  # the recorded step whose update is measured next (:meth:`open`)
         self._before: list[torch.Tensor] | None = None
+        self._stepping = False  # between the optimizer's pre- and post-step hooks
         self._handles: list = []
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -37,6 +38,15 @@ class UpdateRatioHooks:
             h.remove()
         self._handles = []
 
+    def open(self, step: int) -> None:
+        """A recorded step that wants ``update_ratio`` opens: the next optimizer step is its
+        update. Opened inside ``optimizer.step(closure)`` (Lightning calls its hooks, and a
+        spike replay, from the closure, which runs before the parameters change), the
+        parameters are taken now."""
+        self.pending = step
+        if self._stepping:
+            self._before = [p.detach().clone() for p in self.groups.params]
+
     def expire(self, step: int, warn: Callable[..., None]) -> None:
         """A new step opens: a recorded step whose optimizer never stepped (a GradScaler that
         skipped it on inf/NaN gradients, or an optimizer stepping every few steps) has no
@@ -49,10 +59,12 @@ class UpdateRatioHooks:
             self.pending, self._before = None, None
 
     def _before_step(self, optimizer, args, kwargs) -> None:
+        self._stepping = True
         if self.pending is not None:
             self._before = [p.detach().clone() for p in self.groups.params]
 
     def _after_step(self, optimizer, args, kwargs) -> None:
+        self._stepping = False
         if self.pending is None or self._before is None:
             return
         now = [p.detach() for p in self.groups.params]

@@ -63,6 +63,7 @@ class ParquetSink(Sink):
         self.log_dir = Path(log_dir)
         self.flush_every = flush_every
         self.written: list[Path] = []
+        self._earlier: list[Path] = []  # this rank's parts already in log_dir when the sink opened
         self._buffer = RowStore()
         self._recorded = 0  # recorded steps in the buffer
         self._on_disk: int | None = None  # the last step earlier runs wrote to log_dir for this rank
@@ -74,6 +75,7 @@ class ParquetSink(Sink):
             raise NotADirectoryError(f"log_dir: {self.log_dir} exists and is not a folder")
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._on_disk = _last_step_on_disk(self.log_dir, info.rank)
+        self._earlier = sorted(self.log_dir.glob(f"part-r{info.rank}-*.parquet"))  # a run resumed into log_dir
         atexit.register(self.flush)
 
     def begin(self, step: int) -> None:
@@ -118,11 +120,24 @@ class ParquetSink(Sink):
         atexit.unregister(self.flush)
 
     def frame(self) -> pd.DataFrame:
-        """This sink's rows so far (its part files, then the buffer), as ``rec.frame()`` would give them."""
-        parts = [read(self.written)] if self.written else []
+        """This rank's rows in ``log_dir`` so far, as ``rec.frame()`` gives them: the parts an
+        earlier run of it left there (a run resumed into its folder), the parts this sink
+        wrote, then the buffer; each step from its newest write, as ``gradscope.load`` reads it."""
+        files = self._earlier + self.written
+        parts = [read(files)] if files else []
         if self.info is not None and len(self._buffer):
-            parts.append(self.pending())
+            pending = self.pending()
+            if parts:  # the buffer is the newest write of its steps
+                parts[0] = parts[0][~parts[0].step.isin(set(pending.step))]
+            parts.append(pending)
         return pd.concat(parts, ignore_index=True).astype(DTYPES) if parts else empty_frame()
+
+    def adopt(self, rows: RowStore) -> None:
+        """Takes rows recorded elsewhere (a checkpoint of a Recorder that kept them in memory)
+        into the buffer: they are written with the next part."""
+        if len(self._buffer):
+            self.flush()
+        self._buffer, self._recorded = rows, len(rows.steps())
 
 
 def _last_step_on_disk(log_dir: Path, rank: int) -> int | None:

@@ -1,0 +1,126 @@
+"""A run checkpointed and resumed into its own ``log_dir`` (a new-user review): the
+checkpoint flushes what was recorded, ``frame()`` after the resume equals
+``gradscope.load(log_dir)``, and rows a Recorder kept in memory reach a resumed Recorder's
+disk. References are the run recorded without interruption, here."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+
+import numpy as np
+import pandas as pd
+import torch
+from torch import nn
+
+import gradscope
+
+KEY = ["step", "micro_step", "site", "quantity", "layer", "layer_j"]
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.LayerNorm(8), nn.Linear(8, 8)) for _ in range(2)])
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = x + b(x)
+        return x
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return Net()
+
+
+def _steps(rec, model, opt, steps, x) -> None:
+    for step in steps:
+        with rec.step(step):
+            model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _sorted(df: pd.DataFrame) -> pd.DataFrame:
+    return df.sort_values(KEY).reset_index(drop=True)[KEY + ["value"]]
+
+
+def _uninterrupted(x) -> pd.DataFrame:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradscope.Recorder(model, optimizer=opt)
+    _steps(rec, model, opt, range(8), x)
+    rec.close()
+    return _sorted(rec.frame())
+
+
+def test_a_checkpoint_keeps_every_step_and_frame_after_resume_equals_load(tmp_path):
+    x = torch.randn(4, 8)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradscope.Recorder(model, optimizer=opt, log_dir=tmp_path / "run")  # flush_every=100: nothing on disk yet
+    _steps(rec, model, opt, range(5), x)
+    state = rec.state_dict()  # the checkpoint, with the model's and the optimizer's
+    weights, moments = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    assert list((tmp_path / "run").glob("part-*.parquet")), "the checkpoint did not flush the recorded steps"
+    _steps(rec, model, opt, range(5, 6), x)  # recorded after the checkpoint, then the process dies: no close()
+    del rec  # (as after a kill: the buffered step 5 is lost)
+
+    model = _model()
+    model.load_state_dict(weights)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.load_state_dict(moments)
+    resumed = gradscope.Recorder(model, optimizer=opt, log_dir=tmp_path / "run")
+    resumed.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (step 5 is written again: said by a warning)
+        _steps(resumed, model, opt, range(5, 8), x)
+    frame = _sorted(resumed.frame())
+    resumed.flush()  # (load reads the disk; frame also the buffer)
+    pd.testing.assert_frame_equal(frame, _sorted(gradscope.load(tmp_path / "run")))
+    assert sorted(frame.step.unique()) == list(range(8))
+    want = _uninterrupted(x)
+    pd.testing.assert_frame_equal(frame, want, rtol=1e-6)
+    resumed.close()
+
+
+def test_rows_kept_in_memory_reach_a_resumed_recorder_s_log_dir(tmp_path):
+    x = torch.randn(4, 8)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    memory = gradscope.Recorder(model, optimizer=opt)
+    _steps(memory, model, opt, range(4), x)
+    state = memory.state_dict()
+    memory.close()
+    disk = gradscope.Recorder(model, optimizer=opt, log_dir=tmp_path / "run")
+    disk.load_state_dict(state)
+    _steps(disk, model, opt, range(4, 8), x)
+    disk.close()
+    pd.testing.assert_frame_equal(_sorted(gradscope.load(tmp_path / "run")), _uninterrupted(x), rtol=1e-6)
+
+
+def test_the_spike_windows_survive_a_checkpoint(tmp_path):
+    """A resumed run judges its first steps against the history it had: the checkpoint
+    holds the spike quantity's windows and the replay watch's (saved and loaded with
+    ``torch.load(weights_only=True)``)."""
+    x = torch.randn(4, 8)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    rec = gradscope.Recorder(model, optimizer=opt, quantities=["act_grad_norm", "param_grad_norm", "spike"],
+                             on_spike="replay")
+    for step in range(40):
+        rec.run(step, lambda: model(x).square().mean().backward() or torch.tensor(1.0 + 0.01 * (step % 3)))
+        opt.step()
+        opt.zero_grad()
+    torch.save(rec.state_dict(), tmp_path / "ckpt.pt")
+    resumed = gradscope.Recorder(model, optimizer=opt, quantities=["act_grad_norm", "param_grad_norm", "spike"],
+                                 on_spike="replay")
+    resumed.load_state_dict(torch.load(tmp_path / "ckpt.pt", weights_only=True))
+    for a, b in ((rec._out.spikes, resumed._out.spikes), (rec.watch._rule, resumed.watch._rule)):
+        assert a._index == b._index and (a._seen == b._seen).all() and a._seen.max() > 0
+        assert ((a._ring == b._ring) | (np.isnan(a._ring) & np.isnan(b._ring))).all()
+    spike = lambda: model(x).square().mean().mul(1e3).backward() or torch.tensor(1e3)  # noqa: E731
+    assert resumed.run(40, spike) is not None and resumed.watch.last.flagged  # judged against the old history
+    rec.close()
+    resumed.close()
