@@ -59,9 +59,8 @@ def test_hf_trainer_callback_matches_plain_recorder(tmp_path):
         assert compare(table, rec.frame(), step) > 20
 
 
-def test_lightning_callback_matches_plain_recorder():
-    lightning = pytest.importorskip("lightning")
-    from gradscope.integrations.lightning import GradscopeCallback
+def _lit_lm(lightning, losses: list[float] | None = None):
+    """A LightningModule around a tiny zoo decoder (``losses``: where each micro-batch's loss goes)."""
 
     class LitLM(lightning.LightningModule):
         def __init__(self):
@@ -70,14 +69,23 @@ def test_lightning_callback_matches_plain_recorder():
 
         def training_step(self, batch, batch_idx):
             (tokens,) = batch
-            logits = self.model(tokens[:, :-1])
-            return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+            loss = F.cross_entropy(self.model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+            if losses is not None:
+                losses.append(loss.item())
+            return loss
 
         def configure_optimizers(self):
             return torch.optim.Adam(self.parameters(), lr=1e-3)
 
+    return LitLM
+
+
+def test_lightning_callback_matches_plain_recorder():
+    lightning = pytest.importorskip("lightning")
+    from gradscope.integrations.lightning import GradscopeCallback
+
     torch.manual_seed(0)
-    module = LitLM()
+    module = _lit_lm(lightning)()
     tokens = torch.randint(3, 40, (16, 9), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
     seen: dict[int, tuple] = {}
@@ -130,21 +138,6 @@ def test_lightning_loss_row_is_the_mean_over_micro_batches_of_recorded_steps_onl
     from gradscope.integrations.lightning import GradscopeCallback
 
     losses: list[float] = []
-
-    class LitLM(lightning.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.model = gradscope.build_model(gradscope.presets.tiny(variant="pre_ln", arch="decoder", vocab=40))
-
-        def training_step(self, batch, batch_idx):
-            (tokens,) = batch
-            loss = F.cross_entropy(self.model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
-            losses.append(loss.item())
-            return loss
-
-        def configure_optimizers(self):
-            return torch.optim.Adam(self.parameters(), lr=1e-3)
-
     torch.manual_seed(0)
     tokens = torch.randint(3, 40, (24, 9), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
@@ -152,7 +145,7 @@ def test_lightning_loss_row_is_the_mean_over_micro_batches_of_recorded_steps_onl
     trainer = lightning.Trainer(max_steps=3, accelerator="cpu", logger=False, enable_checkpointing=False,
                                 enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
                                 accumulate_grad_batches=2)
-    trainer.fit(LitLM(), loader)
+    trainer.fit(_lit_lm(lightning, losses)(), loader)
     rows = callback.recorder.frame().query("quantity == 'loss'")
     assert sorted(rows.step) == [0, 2], "a loss row for a step the schedule did not record"
     for step, value in zip(rows.step, rows.value):

@@ -32,6 +32,14 @@ def _total(rec, quantity: str) -> dict[int, float]:
     return dict(zip(df.step, df.value))
 
 
+def _assert_update_ratios(rec, want: dict[int, float]) -> None:
+    """The recorded total update_ratio of each step equals ``want`` (fp64 references); closes ``rec``."""
+    got = _total(rec, "update_ratio")
+    for step, value in want.items():
+        assert got[step] == pytest.approx(value, rel=1e-6), step
+    rec.close()
+
+
 def test_a_step_whose_optimizer_did_not_step_has_no_update_ratio_and_the_next_its_own():
     model, x = _model(), torch.randn(2, 5, 16)
     opt = torch.optim.Adam(model.parameters(), lr=1e-3)
@@ -47,11 +55,8 @@ def test_a_step_whose_optimizer_did_not_step_has_no_update_ratio_and_the_next_it
         before = [p.detach().clone() for p in model.parameters()]
         opt.step()
         want[step] = _ratio(before, model)
-    got = _total(rec, "update_ratio")
-    assert set(got) == {1, 2}, "a row for the step whose optimizer did not step"
-    for step, value in want.items():
-        assert got[step] == pytest.approx(value, rel=1e-6), step
-    rec.close()
+    assert set(_total(rec, "update_ratio")) == {1, 2}, "a row for the step whose optimizer did not step"
+    _assert_update_ratios(rec, want)
 
 
 def test_an_optimizer_step_inside_the_recorded_step_is_that_step_s_update():
@@ -66,10 +71,7 @@ def test_an_optimizer_step_inside_the_recorded_step_is_that_step_s_update():
             opt.step()
             opt.zero_grad()
         want[step] = _ratio(before, model)
-    got = _total(rec, "update_ratio")
-    for step, value in want.items():
-        assert got[step] == pytest.approx(value, rel=1e-6), step
-    rec.close()
+    _assert_update_ratios(rec, want)
 
 
 def test_grad_rms_over_eps_counts_what_the_optimizer_steps_with_each_parameter_s_eps():
@@ -135,10 +137,7 @@ def test_a_step_opened_inside_optimizer_step_closure_is_that_step_s_update():
         before = [p.detach().clone() for p in model.parameters()]
         opt.step(closure)
         want[step] = _ratio(before, model)
-    got = _total(rec, "update_ratio")
-    for step, value in want.items():
-        assert got[step] == pytest.approx(value, rel=1e-6), step
-    rec.close()
+    _assert_update_ratios(rec, want)
 
 
 def test_update_ratio_asked_for_without_an_optimizer_says_so():
