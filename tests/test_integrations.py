@@ -4,6 +4,7 @@ steps; TensorBoard output reads back."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pandas as pd
 import pytest
@@ -150,3 +151,46 @@ def test_lightning_loss_row_is_the_mean_over_micro_batches_of_recorded_steps_onl
     assert sorted(rows.step) == [0, 2], "a loss row for a step the schedule did not record"
     for step, value in zip(rows.step, rows.value):
         assert value == pytest.approx((losses[2 * step] + losses[2 * step + 1]) / 2, rel=1e-6), step
+
+
+@pytest.mark.parametrize("logging_steps", [1, 2])
+def test_hf_loss_rows_are_the_step_s_own_loss_or_none(tmp_path, logging_steps):
+    """The Trainer's logged loss is a mean over logging_steps steps: it is a recorded step's
+    row only when it covers that step alone; lr is the optimizer's in every recorded step."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from gradscope.integrations.hf import GradscopeCallback
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, 50, (16, 8), generator=g)]
+    losses: list[float] = []
+    lrs: list[float] = []
+
+    class Own(transformers.TrainerCallback):  # each step's loss, as the model returns it, and lr
+        def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kw):
+            lrs.append(optimizer.param_groups[0]["lr"])
+
+    model.register_forward_hook(lambda m, a, out: losses.append(out.loss.item()))
+    callback = GradscopeCallback(quantities="default", every=2)
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=4, max_steps=4,
+                                          learning_rate=1e-3, report_to=[], use_cpu=True, logging_steps=logging_steps,
+                                          save_strategy="no", seed=0, disable_tqdm=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Own(), callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
+    table = callback.recorder.frame()
+    loss = table.query("quantity == 'loss'").set_index("step").value
+    lr = table.query("quantity == 'lr'").set_index("step").value
+    assert sorted(lr.index) == [0, 2] and all(lr[s] == pytest.approx(lrs[s], rel=1e-6) for s in (0, 2))
+    if logging_steps == 1:
+        assert sorted(loss.index) == [0, 2]
+        for step in (0, 2):
+            assert loss[step] == pytest.approx(losses[step], rel=1e-4), step  # (the Trainer logs 4 digits)
+    else:
+        assert loss.empty
+        assert any("logging_steps=2" in str(w.message) for w in caught)

@@ -3,6 +3,7 @@ nothing downloaded): blocks and norms found, values equal autograd."""
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -153,3 +154,21 @@ def test_llama_gradient_checkpointing_records_what_a_plain_run_does(reentrant):
     assert set(got_gain.index) == set(norms)
     for n in norms:
         assert_rel(got_gain[n], gains[n], what=f"ln_gain {n}")
+
+
+def test_snapshot_takes_keyword_inputs_and_puts_the_gradients_back():
+    """``gradscope.snapshot`` with a dict of keyword inputs (an attention mask too): the total
+    parameter-gradient norm equals autograd's on a copy, and the gradients the model held
+    before (one None, one set) are back afterwards."""
+    torch.manual_seed(0)
+    model, inputs, _, _ = gpt2()
+    inputs = {**inputs, "attention_mask": torch.ones_like(inputs["input_ids"])}
+    reference = copy.deepcopy(model)
+    reference(**inputs).loss.backward()
+    want = math.sqrt(sum(p.grad.double().square().sum().item() for p in reference.parameters()))
+    held = torch.full_like(model.lm_head.weight, 0.5)
+    model.lm_head.weight.grad = held
+    df = gradscope.snapshot(model, inputs, lambda out: out.loss, quantities="default")
+    got = df.query("quantity == 'param_grad_norm' and site == ''").value.item()
+    assert_rel(got, want, rel=1e-6, what="total param_grad_norm")
+    assert model.lm_head.weight.grad is held and model.transformer.h[0].mlp.c_fc.weight.grad is None

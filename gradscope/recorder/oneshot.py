@@ -26,7 +26,7 @@ def record(model: nn.Module, *, step: int = 0, **kwargs) -> Iterator[Recorder]:
         rec.close()
 
 
-def snapshot(model: nn.Module, inputs: tuple, loss_fn, *, quantities="all", **kwargs) -> pd.DataFrame:
+def snapshot(model: nn.Module, inputs: tuple | dict, loss_fn, *, quantities="all", **kwargs) -> pd.DataFrame:
     """All quantities for one forward/backward, e.g. at the start of training.
 
     Parameter gradients that existed before are restored afterwards. The forward runs in
@@ -36,7 +36,8 @@ def snapshot(model: nn.Module, inputs: tuple, loss_fn, *, quantities="all", **kw
 
     Args:
         model: the model.
-        inputs: the model's positional inputs (``(src, tgt_in)`` or ``(tokens,)``).
+        inputs: the model's positional inputs (``(src, tgt_in)`` or ``(tokens,)``), or a
+            dict of keyword inputs (``{"input_ids": ids, "attention_mask": mask}``).
         loss_fn: ``loss_fn(output) -> scalar loss``.
         quantities: as for :class:`Recorder` (default ``"all"``, cosine included).
         **kwargs: more :class:`Recorder` arguments.
@@ -49,7 +50,7 @@ def snapshot(model: nn.Module, inputs: tuple, loss_fn, *, quantities="all", **kw
         p.grad = None
     try:
         with record(model, quantities=quantities, slow_every=1, **kwargs) as rec:
-            loss = loss_fn(model(*inputs))
+            loss = loss_fn(model(**inputs) if isinstance(inputs, dict) else model(*inputs))
             loss.backward()
             rec.log("loss", loss)
         return rec.frame()
