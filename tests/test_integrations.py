@@ -24,17 +24,22 @@ def compare(table: pd.DataFrame, reference: pd.DataFrame, step: int) -> int:
     return len(a)
 
 
+def _gpt2_and_data(transformers, *, layers: int, width: int, sequences: int):
+    """(config, a GPT-2 with dropout off, a list of {input_ids, labels} of 8 tokens), seeded."""
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=layers, n_embd=width, n_head=2, vocab_size=50, n_positions=16,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, 50, (sequences, 8), generator=g)]
+    return config, transformers.GPT2LMHeadModel(config), data
+
+
 def test_hf_trainer_callback_matches_plain_recorder(tmp_path):
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from gradscope.integrations.hf import GradscopeCallback
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=50, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config)
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, 50, (12, 8), generator=g)]
+    config, model, data = _gpt2_and_data(transformers, layers=2, width=32, sequences=12)
     seen: dict[int, tuple] = {}
 
     class Snapshot(transformers.TrainerCallback):  # the weights and inputs each step started from
@@ -161,12 +166,7 @@ def test_hf_loss_rows_are_the_step_s_own_loss_or_none(tmp_path, logging_steps):
     pytest.importorskip("accelerate")
     from gradscope.integrations.hf import GradscopeCallback
 
-    torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=50, n_positions=16,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    model = transformers.GPT2LMHeadModel(config)
-    g = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(1, 50, (16, 8), generator=g)]
+    _, model, data = _gpt2_and_data(transformers, layers=1, width=16, sequences=16)
     losses: list[float] = []
     lrs: list[float] = []
 
