@@ -15,7 +15,9 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from datetime import timedelta
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -64,6 +66,18 @@ def _worker(rank: int, port: int, out: str) -> None:
         dist.barrier()  # rank 0 hosts the store: no rank may still use it when rank 0 leaves
     finally:
         dist.destroy_process_group()
+    # Leave without the interpreter's teardown: it destroys what still holds gloo's C++ state
+    # (FSDP states, DTensors) in arbitrary order, which once aborted a rank after all its work
+    # was written ("terminate called without an active exception", 1 full-suite run in ~10).
+    # Rank 0, which hosted the store, leaves last.
+    Path(out, f"left-{rank}").touch()
+    if rank == 0:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not all(Path(out, f"left-{r}").exists() for r in range(WORLD)):
+            time.sleep(0.01)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _train_one_step(mode: str, rank: int, out: str) -> int:
@@ -103,6 +117,7 @@ def _train_one_step(mode: str, rank: int, out: str) -> int:
     opt.step()
     if mode == "ddp":
         rec.save(os.path.join(out, f"{mode}.parquet"), gather=True)  # collective; rank 0 writes
+        rec.close()
     else:
         df = rec.frame(gather=True)
         early_df = gather_frame(early)
@@ -111,6 +126,8 @@ def _train_one_step(mode: str, rank: int, out: str) -> int:
             gradscope.save_frame(early_df, os.path.join(out, f"{mode}_early.parquet"))
         else:
             assert df is None and early_df is None
+        rec.close()
+        early.close()
     return calls[0]
 
 
