@@ -132,10 +132,9 @@ class StepChecks:
         index = {p.name: i for i, p in enumerate(self.points)}
         called = (data.order != 0)[:, : data.grad_sq.shape[1]].any(axis=0)
         tapped = (data.order > 0)[:, : data.grad_sq.shape[1]].any(axis=0)
-        never = ~data.got.any(axis=0)
-        missed = data.missed & ~data.traced_taps
-        unseen = (data.missed & data.traced_taps).any(axis=0)
-        missed = missed.any(axis=0)
+        never, traced = ~data.got.any(axis=0), data.traced_taps
+        missed = (data.missed & ~traced).any(axis=0)  # eager: backward did not reach them
+        unseen = (data.missed & traced).any(axis=0)  # compiled: the capture did not see that backward
         left_out = {n.site_in for n in self.layout.norms if n.name in data.unfit}  # said already, with the reason
         none, unreached, compiled = set(), set(), set()
         for p, c, slot, site in data.slot_sites():
