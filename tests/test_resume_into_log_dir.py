@@ -124,3 +124,20 @@ def test_the_spike_windows_survive_a_checkpoint(tmp_path):
     assert resumed.run(40, spike) is not None and resumed.watch.last.flagged  # judged against the old history
     rec.close()
     resumed.close()
+
+
+def test_a_row_logged_later_for_a_flushed_step_adds_to_it(tmp_path):
+    """``rec.log("val_loss", v, step=s)`` after step ``s`` was written to disk: ``frame()``
+    keeps step ``s``'s other rows, as ``gradscope.load`` does."""
+    x = torch.randn(4, 8)
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradscope.Recorder(model, optimizer=opt, log_dir=tmp_path / "run", flush_every=1)
+    _steps(rec, model, opt, range(3), x)  # step 0 is on disk (a part per step)
+    before = rec.frame().query("step == 0")
+    rec.log("val_loss", 2.5, step=0)
+    after = rec.frame().query("step == 0")
+    assert set(after.quantity) == set(before.quantity) | {"val_loss"}
+    assert len(after) == len(before) + 1
+    rec.close()
+    pd.testing.assert_frame_equal(_sorted(rec.frame()), _sorted(gradscope.load(tmp_path / "run")))

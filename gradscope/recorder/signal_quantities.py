@@ -119,7 +119,8 @@ class GradRmsOverEps(_Signal):
     paper = "Wortsman et al. 2023, §3.4; Everett et al. 2024"
 
     def collect(self, ctx):
-        eps = _param_eps(ctx)
+        params = ctx.groups.params  # (read once: each read checks the module tree)
+        eps = _param_eps(ctx.optimizer, params)
         if eps is None:
             ctx.warn_once(self.name, "grad_rms_over_eps needs the optimizer (Recorder(optimizer=...)) and an 'eps' "
                           "in its param groups (Adam, AdamW, ...): no rows")
@@ -128,7 +129,7 @@ class GradRmsOverEps(_Signal):
         if sq is None:
             return
         counted = [has and e is not None for has, e in zip(ctx.has_grads(), eps)]  # frozen or not stepped: left out
-        numel = np.array([float(p.numel()) if c else 0.0 for p, c in zip(ctx.groups.params, counted)])
+        numel = np.array([float(p.numel()) if c else 0.0 for p, c in zip(params, counted)])
         elements = ctx.groups.host_sums(numel)  # per group, on the host: which groups have a row
         weight = torch.tensor([1.0 / e**2 if c else 0.0 for e, c in zip(eps, counted)], dtype=torch.float64)
         over_eps = ctx.groups.membership(sq.device).double() @ (sq.double() * weight.to(sq.device))
@@ -141,14 +142,13 @@ class GradRmsOverEps(_Signal):
         ctx.add_many([keys[i] for i in at], rms)
 
 
-def _param_eps(ctx) -> list[float | None] | None:
-    """Adam's ε of each parameter (``groups.params`` order; None for one the optimizer does
-    not step), or None without an optimizer with ε."""
-    opt = ctx.optimizer
+def _param_eps(opt, params: list) -> list[float | None] | None:
+    """Adam's ε of each of ``params`` (None for one the optimizer ``opt`` does not step), or
+    None without an optimizer with ε."""
     if opt is None or not all("eps" in g for g in opt.param_groups):
         return None
     eps = {id(p): float(g["eps"]) for g in opt.param_groups for p in g["params"]}
-    return [eps.get(id(p)) for p in ctx.groups.params]
+    return [eps.get(id(p)) for p in params]
 
 
 def _per_head(ctx, site: str, quantity: str, heads: torch.Tensor, layer: torch.Tensor) -> None:

@@ -122,13 +122,16 @@ class ParquetSink(Sink):
     def frame(self) -> pd.DataFrame:
         """This rank's rows in ``log_dir`` so far, as ``rec.frame()`` gives them: the parts an
         earlier run of it left there (a run resumed into its folder), the parts this sink
-        wrote, then the buffer; each step from its newest write, as ``gradscope.load`` reads it."""
+        wrote, then the buffer; each (step, quantity) from its newest write, as
+        ``gradscope.load`` reads it (a row logged later for a flushed step adds to it)."""
         files = self._earlier + self.written
         parts = [read(files)] if files else []
         if self.info is not None and len(self._buffer):
             pending = self.pending()
-            if parts:  # the buffer is the newest write of its steps
-                parts[0] = parts[0][~parts[0].step.isin(set(pending.step))]
+            if parts:  # the buffer is the newest write of its (run, step, quantity)s, as load reads them
+                key = ["run", "step", "quantity"]
+                newer = pd.MultiIndex.from_frame(pending[key].drop_duplicates())
+                parts[0] = parts[0][~pd.MultiIndex.from_frame(parts[0][key]).isin(newer)]
             parts.append(pending)
         return pd.concat(parts, ignore_index=True).astype(DTYPES) if parts else empty_frame()
 
