@@ -1,18 +1,20 @@
-"""What an open Recorder costs a compiled model it does not record: Dynamo's hook guards.
+"""What an open Recorder costs a compiled model it does not record (nothing, now).
 
-While any Recorder is open, gradscope sets ``torch._dynamo.config.skip_nnmodule_hook_guards``
-to False (:class:`gradscope.recorder.wrappers.HookGuards`): without it, two instances of one
-model class share a compiled graph whatever hooks they carry, so a plain twin would run the
-recorded one's hooks and a recorded model could run a plain twin's graph. With it, every
-graph compiled in the process is guarded on every module's hook dicts, a cost paid on each
-call of every compiled model, recorded or not. This script measures it.
+gradscope once set ``torch._dynamo.config.skip_nnmodule_hook_guards`` to False while any
+Recorder was open, so that two instances of one model class never shared a graph with and
+without hooks. Every graph compiled in the process was then guarded on every module's hook
+dicts: +1.18 ms a step for a plain compiled d=16 model (1.107×, ``benchmarks/RESULTS.md``).
+An armed module now has a class of its own instead (``gradscope/recorder/hookset.py``) and
+Dynamo's settings stay as they are; this script checks that an open Recorder costs another
+compiled model nothing.
 
-The setting acts when a graph is compiled, so the two cases cannot share a process: each
-run is a fresh interpreter that compiles the d=16 benchmark model (:mod:`benchmarks.overhead`)
-and times ``--steps`` training steps, with no Recorder anywhere (``default``) or with a
-Recorder open on *another* model (``recorder open``). Runs alternate, ``--runs`` of each;
-the figure is the median over pairs of runs of the ratio of their median step times
-(sequential runs: noisier than the interleaved pairs of ``benchmarks.overhead``).
+The two cases are measured in separate processes (a Dynamo setting acts when a graph is
+compiled, and a process that compiled once keeps its graphs): each run is a fresh
+interpreter that compiles the d=16 benchmark model (:mod:`benchmarks.overhead`) and times
+``--steps`` training steps, with no Recorder anywhere (``default``) or with a Recorder open
+on *another* model (``recorder open``). Runs alternate, ``--runs`` of each; the figure is the
+median over pairs of runs of the ratio of their median step times (sequential runs: noisier
+than the interleaved pairs of ``benchmarks.overhead``).
 
     python -m benchmarks.guard_cost               # 3 runs each, 300 steps
 """

@@ -22,13 +22,9 @@ happens while timing: the script counts Dynamo graphs and Inductor compiles arou
 steps and rejects a cell that compiled there. A recording method's cell counts only if its
 timed steps left rows in the table; the checks table after the results says how many.
 
-Dynamo hook guards: by default Dynamo does not guard on module hooks
-(``torch._dynamo.config.skip_nnmodule_hook_guards=True``), so a model copy compiled after
-another copy of the same class reuses the graph traced from that copy, hooks or no hooks:
-a Recorder on the second copy then sees no hook fire and raises. A user with one model per
-process never meets this; this script compiles several copies in one process, so it turns
-the hook guards on (``--no-hook-guards`` reproduces the failure). The plain reference runs
-under the same guards.
+Several copies of one model class compile in one process, with Dynamo's default settings:
+a Recorder's armed modules have classes of their own (``gradscope/recorder/hookset.py``),
+so no copy runs a graph traced from another.
 
 Methods (``benchmarks.overhead_methods``): a second plain copy (an A/A control: how far
 two identical steps differ here), gradscope with default quantities (norms),
@@ -234,9 +230,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="steady: glibc keeps freed memory, so page faults that follow the allocation order, not the "
                              "work, drop out of both sides (benchmarks/allocator.py); default: as the process starts "
                              "(default: steady)")
-    parser.add_argument("--hook-guards", action=argparse.BooleanOptionalAction, default=True,
-                        help="set torch._dynamo.config.skip_nnmodule_hook_guards=False, so a copy with recorder hooks "
-                             "never reuses a graph Dynamo traced from a copy without them (default: on; see module doc)")
     args = parser.parse_args(argv)
     if args.warmup < 2:
         parser.error("--warmup must be at least 2 (a recorded and an unrecorded step before timing)")
@@ -250,7 +243,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch._dynamo.config.cache_size_limit = args.recompile_limit
     torch._dynamo.config.accumulated_cache_size_limit = max(256, 8 * args.recompile_limit)
-    torch._dynamo.config.skip_nnmodule_hook_guards = not args.hook_guards
     methods = METHODS + (breakdown_methods() if args.breakdown else [])
     if args.only:
         methods = [m for m in methods if any(o in m.name for o in args.only)]

@@ -85,7 +85,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) every copy (the Recorder first)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    torch._dynamo.config.skip_nnmodule_hook_guards = False  # several copies of one class in one process
     print(f"allocator: {steady() if args.device == 'cpu' else 'cuda'}; load average before: {os.getloadavg()}")
     copies = build(args)
     for i in range(args.warmup):

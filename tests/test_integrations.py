@@ -137,6 +137,13 @@ def test_tensorboard_scalars_read_back(tmp_path):
     got = scalars[(scalars.tag == "act_grad_norm/decoder.layers.1.out") & (scalars.step == 1)].value.item()
     assert got == pytest.approx(row.value, rel=1e-6)
     assert set(scalars[scalars.tag == "loss/total"].step) == {0, 1}
+    # a folder of runs loaded at once: one TensorBoard run each, not one series with two values per step
+    two = pd.concat([frame, frame.assign(run="other", value=frame.value * 2)], ignore_index=True)
+    assert to_tensorboard(two, tmp_path / "tb2") == 2 * len(frame)
+    runs = tbparse.SummaryReader(str(tmp_path / "tb2"), extra_columns={"dir_name"}).scalars
+    assert runs.groupby(["dir_name", "tag", "step"]).size().max() == 1 and len(runs) == 2 * len(frame)
+    other = runs[(runs.dir_name == "other") & (runs.tag == "act_grad_norm/decoder.layers.1.out") & (runs.step == 1)]
+    assert other.value.item() == pytest.approx(2 * row.value, rel=1e-6)
 
 
 def test_lightning_loss_row_is_the_mean_over_micro_batches_of_recorded_steps_only():

@@ -79,32 +79,72 @@ class _Block(torch.nn.Module):
         return x + self.fc(self.norm(x))
 
 
-def test_recorder_made_after_the_compiled_model_ran_raises_instead_of_an_empty_table(monkeypatch):
-    from gradscope.recorder.wrappers import HookGuards
+def test_recorder_made_after_the_compiled_model_ran_records(monkeypatch):
+    """A model compiled and run before the Recorder existed (a notebook's order): its armed
+    modules have classes of their own, so Dynamo traces it again with the hooks; the numbers
+    are autograd's, and after close() the graph traced first runs again."""
+    from gradscope.recorder.wrappers import DynamoSettings
 
-    # Dynamo's default and no Recorder open (one left alive by an earlier test would turn hook guards on)
-    monkeypatch.setattr(HookGuards, "_open", 0)
-    monkeypatch.setattr(HookGuards, "_saved", None)
-    with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):
-        _made_after_the_compiled_model_ran()
+    monkeypatch.setattr(DynamoSettings, "_open", 0)  # no Recorder open, whatever earlier tests left alive
+    monkeypatch.setattr(DynamoSettings, "_saved", None)
+    import copy
 
+    import gradscope
 
-def _made_after_the_compiled_model_ran():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_Block(8), _Block(8))
+    reference = copy.deepcopy(model)
     compiled = torch.compile(model)
     x = torch.randn(2, 3, 8)
     compiled(x).sum().backward()  # traced before any recorder hook existed
-    import gradscope
-
+    model.zero_grad()
+    h0 = reference[0](x)
+    h0.retain_grad()
+    reference[1](h0).sum().backward()
     rec = gradscope.Recorder(compiled)  # the torch.compile wrapper is unwrapped
-    with pytest.raises(RuntimeError, match="make the Recorder before the first compiled call"):
-        with rec.step(0):
-            compiled(x).sum().backward()
-    rec.close()
-    torch._dynamo.reset()
-    rec = gradscope.Recorder(model)  # after a reset the model traces again, with the hooks
     with rec.step(0):
         compiled(x).sum().backward()
     rec.close()
-    assert {"0.out", "1.out", "0.norm.out"} <= set(rec.frame().site)
+    df = rec.frame().set_index(["quantity", "site"]).value
+    assert df["act_grad_norm", "0.out"] == pytest.approx(h0.grad.norm().item(), rel=1e-5)
+    assert df["act_norm", "0.out"] == pytest.approx(h0.detach().norm().item(), rel=1e-5)
+    assert [type(m) for m in model.modules()] == [type(m) for m in reference.modules()]
+    compiled(x).sum().backward()  # closed: the graph traced first runs again
+
+
+def test_twelve_blocks_compiled_one_by_one_record_autograds_numbers():
+    """torchtitan style at a real depth: each of 12 blocks compiled with fullgraph=True. The
+    blocks share their forward's code and each one's recorded graph writes its own slots,
+    so a recorded step compiles a graph per block: past Dynamo's default recompile limit
+    (8), which the Recorder raises while open. Its hooks on the blocks themselves run
+    eagerly (not compiled alone per block). Rows equal autograd on an uncompiled copy."""
+    import copy
+
+    import gradscope
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[_Block(8) for _ in range(12)])
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 8)
+    outs, h = [], x
+    for block in reference:
+        h = block(h)
+        h.retain_grad()
+        outs.append(h)
+    (h * torch.linspace(-1, 1, 8)).sum().backward()
+    rec = gradscope.Recorder(model)
+    for block in model:
+        block.compile(fullgraph=True)
+    for step in range(2):
+        with rec.step(step):
+            (model(x) * torch.linspace(-1, 1, 8)).sum().backward()
+        model.zero_grad()
+    rec.close()
+    df = rec.frame().set_index(["step", "quantity", "site"]).value
+    for step in range(2):
+        for k in (0, 5, 11):
+            assert df[step, "act_grad_norm", f"{k}.out"] == pytest.approx(outs[k].grad.norm().item(), rel=1e-5)
+            assert df[step, "act_norm", f"{k}.out"] == pytest.approx(outs[k].detach().norm().item(), rel=1e-5)
+        fc = reference[11].fc
+        want = torch.cat([fc.weight.grad.flatten(), fc.bias.grad]).norm().item()
+        assert df[step, "param_grad_norm", "11.fc"] == pytest.approx(want, rel=1e-5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 
 import pytest
 import torch
@@ -296,3 +297,40 @@ def test_nanogpt_style_attention_logits_equal_a_recomputation_from_its_c_attn():
         torch.testing.assert_close(_head_values(frame, "attn_logit_max", str(i)), top, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(_head_values(frame, "attn_entropy", str(i)), entropy, rtol=1e-5, atol=1e-6)
         h = m(h)
+
+
+class _LossFirst(torch.nn.Module):
+    """A model whose output puts the 0-d loss first, as HF's ``return_dict=False`` with labels
+    does, or returns only the loss (nanoGPT-style)."""
+
+    def __init__(self, only_loss: bool) -> None:
+        super().__init__()
+        self.only_loss = only_loss
+        self.embed = torch.nn.Embedding(11, 8)
+        self.norm = torch.nn.LayerNorm(8)
+        self.head = torch.nn.Linear(8, 11)
+
+    def forward(self, ids, targets):
+        logits = self.head(self.norm(self.embed(ids)))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return loss if self.only_loss else (loss, logits)
+
+
+@pytest.mark.parametrize("only_loss", [False, True])
+def test_output_log_z_of_a_model_whose_loss_comes_first(only_loss):
+    torch.manual_seed(0)
+    model, ids = _LossFirst(only_loss), torch.randint(0, 11, (2, 5))
+    rec = gradscope.Recorder(model, quantities=["output_logit_log_z", "act_grad_norm"])
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with rec.step(0):
+            out = model(ids, ids)
+            (out if only_loss else out[0]).backward()
+    rec.close()
+    rows = _rows(rec.frame(), "output_logit_log_z")
+    if only_loss:
+        assert rows.empty
+        assert any("held no logits" in str(w.message) for w in said)
+    else:
+        want = torch.logsumexp(out[1].detach().double(), -1).mean().item()
+        assert rows.value.tolist() == pytest.approx([want], rel=1e-6)

@@ -1,7 +1,8 @@
 """Two instances of one model class compiled in one process, one recorded and one not
-(issue 23): the plain one never writes into the recorded one's table, whatever the order;
-the recorded one records, or (plain one compiled and run before the Recorder existed)
-raises as it always did. References are computed here with autograd."""
+(issue 23): the plain one never writes into the recorded one's table and the recorded one
+records, whatever the order (also when the plain one was compiled and run before the
+Recorder existed), with Dynamo's default settings. References are computed here with
+autograd."""
 
 from __future__ import annotations
 
@@ -24,11 +25,11 @@ def _reference(model: Twin, x: torch.Tensor) -> dict[str, float]:
 
 @pytest.fixture
 def no_recorder_open(monkeypatch):
-    """Dynamo's default (no hook guards) and no Recorder open, whatever earlier tests left alive."""
-    from gradscope.recorder.wrappers import HookGuards
+    """Dynamo's default (no guards on empty hook dicts) and no Recorder open, whatever earlier tests left alive."""
+    from gradscope.recorder.wrappers import DynamoSettings
 
-    monkeypatch.setattr(HookGuards, "_open", 0)
-    monkeypatch.setattr(HookGuards, "_saved", None)
+    monkeypatch.setattr(DynamoSettings, "_open", 0)
+    monkeypatch.setattr(DynamoSettings, "_saved", None)
     with torch._dynamo.config.patch(skip_nnmodule_hook_guards=True):  # restored afterwards
         yield
 
@@ -56,33 +57,57 @@ def test_a_plain_twin_never_writes_into_the_recorded_table(order, no_recorder_op
         plain = torch.compile(b, fullgraph=True)
     a.zero_grad()
 
-    def step():
-        with rec.step(0):
+    def step(i):
+        with rec.step(i):
             recorded(x).sum().backward()
             plain(x * 3).sum().backward()  # the plain twin, inside the recorded step, on other data
 
     try:
-        if order == "plain_first":
-            with pytest.raises(RuntimeError, match="none of the recorder's hooks fired"):
-                step()
-            return
-        step()
-        df = rec.frame().set_index(["quantity", "site"]).value
-        for site in ("blocks.0.out", "blocks.1.out"):
-            assert df["act_grad_norm", site] == pytest.approx(want[site], rel=1e-5), site
-        assert df["act_norm", "blocks.1.out"] == pytest.approx(want["act_norm blocks.1.out"], rel=1e-5)
+        step(0)
+        step(1)  # the second time from Dynamo's cache
+        df = rec.frame().set_index(["step", "quantity", "site"]).value
+        for i in (0, 1):
+            for site in ("blocks.0.out", "blocks.1.out"):
+                assert df[i, "act_grad_norm", site] == pytest.approx(want[site], rel=1e-5), (i, site)
+            assert df[i, "act_norm", "blocks.1.out"] == pytest.approx(want["act_norm blocks.1.out"], rel=1e-5)
     finally:
         rec.close()
 
 
-def test_hook_guards_are_on_while_a_recorder_is_open(no_recorder_open):
+def test_dynamo_hook_setting_is_left_alone_and_classes_come_back(no_recorder_open):
     import gc
 
-    recs = [gradscope.Recorder(Twin()) for _ in range(2)]
-    assert not torch._dynamo.config.skip_nnmodule_hook_guards
+    twins = [Twin() for _ in range(2)]
+    classes = [[type(m) for m in t.modules()] for t in twins]
+    recs = [gradscope.Recorder(t) for t in twins]
+    assert torch._dynamo.config.skip_nnmodule_hook_guards  # a Recorder needs no hook guards
+    with recs[0].step(0):
+        assert type(twins[0].blocks[0]) is not type(twins[1].blocks[0])  # armed: a class of its own
+        assert isinstance(twins[0].blocks[0], type(twins[1].blocks[0]))  # the armed twin class
+        assert type(twins[0].blocks[0]).__name__ == type(twins[1].blocks[0]).__name__
+        twins[0](torch.randn(2, 3, 8)).sum().backward()
+    assert [type(m) for m in twins[0].modules()] == classes[0]  # disarmed: the classes are back
     recs[0].close()
     recs[0].close()  # twice: released once
-    assert not torch._dynamo.config.skip_nnmodule_hook_guards  # the second is still open
+    assert [type(m) for m in twins[0].modules()] == classes[0]
     del recs[1]  # dropped without close(): released when collected
     gc.collect()
+    assert [type(m) for m in twins[1].modules()] == classes[1]
     assert torch._dynamo.config.skip_nnmodule_hook_guards
+
+
+def test_two_recorders_on_one_model_keep_it_armed_until_both_end(no_recorder_open):
+    model = Twin()
+    own = [type(m) for m in model.modules()]
+    a, b = gradscope.Recorder(model), gradscope.Recorder(model)
+    a.begin_step(0)
+    b.begin_step(0)
+    model(torch.randn(2, 3, 8)).sum().backward()
+    a.end_step()
+    assert type(model.blocks[0]) is not own[list(model.modules()).index(model.blocks[0])]  # b still records
+    b.end_step()
+    assert [type(m) for m in model.modules()] == own
+    a.close()
+    b.close()
+    assert [type(m) for m in model.modules()] == own
+    assert not a.frame().empty and not b.frame().empty

@@ -111,6 +111,27 @@ def test_a_folder_of_runs_loads_as_one_frame(tmp_path):
         gradscope.load(tmp_path / "runs" / "b" / "nothing-here")
 
 
+def test_runs_in_different_places_under_one_name_are_all_loaded(tmp_path):
+    """A sweep laid out as runs/lr0.1/seed0 and runs/lr1.0/seed0 names both runs "seed0", and
+    two saved tables keep the default run name: a folder load keeps every row of each (the
+    newest write wins only inside one log_dir) and warns that the names clash."""
+    model = _model()
+    frames = []
+    for lr in ("lr0.1", "lr1.0"):
+        rec = gradscope.Recorder(model, quantities=["act_grad_norm", "loss"], log_dir=tmp_path / "runs" / lr / "seed0",
+                                 flush_every=2)
+        _train(model, [rec], 3)
+        rec.close()
+        frames.append(rec.frame())
+        rec.save(tmp_path / "saved" / f"{lr}.parquet")
+    for folder in ("runs", "saved"):
+        with pytest.warns(UserWarning, match="share a run name"):
+            both = gradscope.load(tmp_path / folder)
+        assert len(both) == sum(map(len, frames)), folder
+        pd.testing.assert_frame_equal(both.sort_values(list(both.columns)).reset_index(drop=True),
+                                      pd.concat(frames).sort_values(list(both.columns)).reset_index(drop=True))
+
+
 def test_tensorboard_sink_reads_back_equal_to_the_frame(tmp_path):
     tbparse = pytest.importorskip("tbparse")
     model = _model()

@@ -15,12 +15,10 @@ from gradscope.recorder.step_data import StepData
 from gradscope.recorder.wrappers import grad_versions
 
 NO_HOOK_FIRED = (
-    "Recorder: backward ran in this step but none of the recorder's hooks fired. Most likely the model "
-    "was compiled and called before the Recorder was made (torch.compile does not see hooks added after "
-    "its first trace): make the Recorder before the first compiled call, or call torch._dynamo.reset(). "
-    "Or another instance of the same model class was compiled and run before the Recorder was made, and "
-    "Dynamo, which then did not guard on module hooks, reuses that graph: make the Recorder first (while a "
-    "Recorder is open, gradscope turns torch._dynamo.config.skip_nnmodule_hook_guards off)."
+    "Recorder: backward ran in this step but none of the recorder's hooks fired: the forward that ran "
+    "was not the recorded model's module calls. Most likely a copy of the model other than the one the "
+    "Recorder was given ran (copy.deepcopy, a TorchScript or torch.export copy), or a CUDA graph replayed "
+    "it. Give the Recorder the model (or its torch.compile wrapper) that the training step calls."
 )
 
 

@@ -12,11 +12,18 @@ the module's hook dict costs ≈0.05 µs. :class:`HookSet` registers every hook 
 the public API (so ``close()`` removes them with their handles, armed or not) and then only
 moves the entries in and out of the dicts those handles point at.
 
-A compiled model is armed and disarmed the same way. With Dynamo's hook guards on (as
-they are while a Recorder is open: ``recorder/wrappers.py``), the armed and the disarmed
-model each get a graph of their own, compiled once: an unrecorded step runs the graph of
-the model without hooks, guarded as a plain model's is (+0.66 → +0.26 ms a step at d=16,
-``benchmarks/RESULTS.md``), and a recorded step the graph with the hooks.
+**Compiled models.** Dynamo does not guard a module's *empty* hook dicts
+(``torch._dynamo.config.skip_nnmodule_hook_guards``, on by default): a graph traced from a
+module without hooks would run for it with hooks, and for another instance of its class
+that has them. Turning those guards on costs every compiled model in the process ≈1.2 ms
+a step at d=16 (2600 guards on the hook dicts of every module; ``benchmarks/RESULTS.md``).
+Instead, an armed module's class is swapped for an *armed twin* (:func:`armed_class`): a
+subclass that adds nothing, with the same name and module, one per class and process, in
+the way ``torch.distributed.fsdp.fully_shard`` swaps a module's class. Dynamo guards every
+module's type, so a graph traced without the hooks never runs for an armed module and one
+traced with them never for an unarmed one (a plain twin, or the same model between recorded
+steps, which then runs the graph a plain model would, with a plain model's guards).
+Disarming puts the original class back; so does ``remove()``.
 """
 
 from __future__ import annotations
@@ -34,26 +41,43 @@ class HookSet:
         self._handles: list[RemovableHandle] = []
         self._entries: list[tuple[dict, dict, int, Callable]] = []  # (hooks dict, with_kwargs dict, id, hook)
         self.armed = armed
+        self._modules: list[nn.Module] = []  # the hooked modules, once each (their class is swapped while armed)
+        self._module_ids: set[int] = set()
 
     def forward(self, module: nn.Module, hook: Callable) -> None:
         """``module.register_forward_hook(hook, with_kwargs=True)``, armed or not with the set."""
-        self._add(module.register_forward_hook(hook, with_kwargs=True), module._forward_hooks,
+        self._add(module, module.register_forward_hook(hook, with_kwargs=True), module._forward_hooks,
                   module._forward_hooks_with_kwargs, hook)
 
     def forward_pre(self, module: nn.Module, hook: Callable) -> None:
         """``module.register_forward_pre_hook(hook, with_kwargs=True)``, armed or not with the set."""
-        self._add(module.register_forward_pre_hook(hook, with_kwargs=True), module._forward_pre_hooks,
+        self._add(module, module.register_forward_pre_hook(hook, with_kwargs=True), module._forward_pre_hooks,
                   module._forward_pre_hooks_with_kwargs, hook)
 
-    def _add(self, handle: RemovableHandle, hooks: dict, with_kwargs: dict, hook: Callable) -> None:
+    def _add(self, module: nn.Module, handle: RemovableHandle, hooks: dict, with_kwargs: dict, hook: Callable) -> None:
+        if id(module) not in self._module_ids:
+            self._module_ids.add(id(module))
+            self._modules.append(module)
+            if self.armed:
+                _arm_class(module)
         self._handles.append(handle)
         self._entries.append((hooks, with_kwargs, handle.id, hook))
         if not self.armed:
             del hooks[handle.id], with_kwargs[handle.id]
 
+    @property
+    def modules(self) -> list[nn.Module]:
+        """The hooked modules, once each."""
+        return self._modules
+
+    def functions(self) -> list[Callable]:
+        """The hook functions, in registration order."""
+        return [hook for *_, hook in self._entries]
+
     def arm(self) -> None:
         """Puts every hook back where it was: before the hooks registered after it (handle
-        ids grow with registration), so a user's hook added later still sees our output."""
+        ids grow with registration), so a user's hook added later still sees our output;
+        gives each hooked module its armed twin class."""
         if self.armed:
             return
         for hooks, with_kwargs, i, hook in self._entries:
@@ -64,20 +88,65 @@ class HookSet:
                 hooks.update(later)
             else:
                 hooks[i] = hook
+        for m in self._modules:
+            _arm_class(m)
         self.armed = True
 
     def disarm(self) -> None:
-        """Takes every hook out of its module; ``arm`` puts them back."""
+        """Takes every hook out of its module and gives it its own class back (unless
+        something gave it another class since); ``arm`` puts them back."""
         if not self.armed:
             return
         for hooks, with_kwargs, i, _ in self._entries:
             hooks.pop(i, None)
             with_kwargs.pop(i, None)
+        for m in self._modules:
+            _disarm_class(m)
         self.armed = False
 
     def remove(self) -> None:
-        """Removes every hook for good (through its handle)."""
+        """Removes every hook for good (through its handle); every module has its own class."""
+        self.disarm()
+        self._modules.clear()
+        self._module_ids.clear()
         for h in self._handles:
             h.remove()
         self._handles.clear()
         self._entries.clear()
+
+
+_SET_CLASS = object.__setattr__  # (not nn.Module.__setattr__, which looks through the module's dicts first)
+_ARMED: dict[type, type] = {}  # a module class -> its armed twin
+_ORIGINAL: dict[type, type] = {}  # an armed twin -> the class it stands for
+_ARMS: dict[int, int] = {}  # id(module) -> how many armed HookSets hold it (two Recorders on one model)
+
+
+def _arm_class(module: nn.Module) -> None:
+    _ARMS[id(module)] = _ARMS.get(id(module), 0) + 1
+    _SET_CLASS(module, "__class__", armed_class(type(module)))
+
+
+def _disarm_class(module: nn.Module) -> None:
+    """The module's own class back once no armed HookSet holds it (and if nothing else gave it
+    another class meanwhile, as ``fully_shard`` would)."""
+    left = _ARMS.pop(id(module), 1) - 1
+    if left > 0:
+        _ARMS[id(module)] = left
+        return
+    base = _ORIGINAL.get(type(module))
+    if base is not None:
+        _SET_CLASS(module, "__class__", base)
+
+
+def armed_class(cls: type) -> type:
+    """The armed twin of a module class: a subclass of ``cls`` that adds nothing (same name,
+    qualified name and module; ``isinstance`` holds both ways a caller would check), one per
+    class and process, so that Dynamo's type guard tells an armed module from an unarmed
+    instance of ``cls``. A twin is its own twin."""
+    if cls in _ORIGINAL:
+        return cls
+    twin = _ARMED.get(cls)
+    if twin is None:
+        twin = _ARMED[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        _ORIGINAL[twin] = cls
+    return twin

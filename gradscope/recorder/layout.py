@@ -382,12 +382,15 @@ def find_layout(model: nn.Module, sites: list[str] | None = None) -> Layout:
             ``ln_w_over_sigma`` one of them, ``cosine`` all of a stack's outputs.
 
     Raises:
-        ValueError: nothing to record, or a pattern matches no site (the message lists
-            some valid names).
+        ValueError: nothing to record, no pattern, or a pattern matches no site (the
+            message lists some valid names).
     """
     layout = _zoo_layout(model) if is_zoo(model) else _foreign_layout(model)
     if isinstance(sites, str):
         sites = [sites]  # one pattern
+    if sites is not None and not list(sites):
+        raise ValueError(f"sites: an empty list; give patterns (['decoder.layers.*.out']), or None for every site "
+                         f"({len(layout.site_names())} here)")
     if sites is not None:
         names = layout.site_names()
         for pattern in sites:

@@ -26,14 +26,18 @@ def make_sinks(log_dir: str | os.PathLike | None, flush_every: int, sinks) -> li
     """The Recorder's sinks: a ParquetSink for ``log_dir`` (if given), then ``sinks``.
 
     Raises:
-        TypeError: an entry of ``sinks`` is not a :class:`Sink`.
-        ValueError: two ParquetSinks.
+        TypeError: an entry of ``sinks`` is not a :class:`Sink` (a single sink is taken as a
+            list of one).
+        ValueError: two ParquetSinks, or an empty ``log_dir``.
     """
-    sinks = list(sinks or ())
+    sinks = [sinks] if isinstance(sinks, Sink) else list(sinks or ())
     bad = [s for s in sinks if not isinstance(s, Sink)]
     if bad:
         raise TypeError(f"sinks: expected gradscope.sinks.Sink instances, got {[type(s).__name__ for s in bad]}")
     if log_dir is not None:
+        if not str(log_dir).strip():
+            raise ValueError("log_dir: an empty path; give the run's folder (Recorder(log_dir='runs/exp1')), or None to "
+                             "keep the table in memory")
         sinks.insert(0, ParquetSink(log_dir, flush_every=flush_every))
     if sum(isinstance(s, ParquetSink) for s in sinks) > 1:
         raise ValueError("sinks: at most one ParquetSink (log_dir=) per Recorder")

@@ -268,6 +268,7 @@ class Replay(Quantity):
     (``Recorder(on_spike="replay")``, :mod:`gradscope.recorder.replay`); rows written by the replay."""
 
     name, also_names, taken = "replay", ("replay_mismatch",), "on a step the on_spike watch flagged and replayed"
+    logged_by_gradscope = True  # (Recorder.log takes the name from the replay)
     description = ("a step recorded by re-running it because the on_spike watch flagged its loss or gradient norm: "
                    "value = the watch's z-score; replay_mismatch: relative difference of the replayed loss or "
                    "gradient norm from the original, when not 0")
@@ -328,6 +329,8 @@ def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
     if not isinstance(quantities, (tuple, list)):
         raise ValueError(f"quantities: 'default', 'all', 'signals' or a list of names from {sorted(REGISTRY)} and "
                          f"gradscope.Quantity instances; got {quantities!r}")
+    if not quantities:
+        raise ValueError(f"quantities: an empty list; give a preset ({sorted(PRESETS)}) or names from {sorted(REGISTRY)}")
     unknown = [q for q in quantities if isinstance(q, str) and q not in REGISTRY]
     if unknown:
         homes = {q: h.name for q in unknown for h in REGISTRY.values() if q in h.also_names}

@@ -3,7 +3,7 @@
 Usage::
 
     rec = gradscope.Recorder(model, optimizer=opt)
-    model = torch.compile(model)          # optional: make the Recorder first
+    model = torch.compile(model)          # optional, before or after the Recorder
     for step, batch in enumerate(loader):
         with rec.step(step):              # covers forward and backward
             loss = loss_fn(model(*batch)); loss.backward()
@@ -51,7 +51,8 @@ from gradscope.recorder.replay import Reading, ReplayOptions, SpikeReplay, Spike
 from gradscope.recorder.spike import SpikeDetector
 from gradscope.recorder.store import StepBuffer
 from gradscope.recorder.update_ratio import UpdateRatioHooks
-from gradscope.recorder.wrappers import HookGuards, dist_rank, grad_scale, no_autocast, params_unscaled, token_masks, unwrap
+from gradscope.recorder.wrappers import (DynamoSettings, checked_arguments, dist_rank, grad_scale, loggable, no_autocast, params_unscaled,
+                                         step_index, token_masks, unwrap)
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table.keys import model_key
 from gradscope.table.rows import RowStore
@@ -120,9 +121,7 @@ class Recorder(RecordedTable):
         **moved,
     ) -> None:
         options = moved_options(moved) or options or RecorderOptions()
-        for name, value in (("every", every), ("slow_every", slow_every)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+        every, slow_every = checked_arguments(model, every=every, slow_every=slow_every, optimizer=optimizer, run=run)
         watch = replay_options(on_spike)
         model = unwrap(model)
         self.model = model
@@ -170,8 +169,8 @@ class Recorder(RecordedTable):
         if optimizer is not None:
             self.attach_optimizer(optimizer)
         self._replay = SpikeReplay(self, model, watch, self._grad_scale) if watch is not None else None
-        HookGuards.acquire()  # compiled: an instance with our hooks never runs another's graph
-        self._release_guards = weakref.finalize(self, HookGuards.release)  # by close(), or when collected
+        DynamoSettings.acquire(len(self._capture.hooks.modules))  # compiled: checkpointing, blocks compiled one by one
+        self._release_settings = weakref.finalize(self, DynamoSettings.release)  # by close(), or when collected
         weakref.finalize(self, forget, self._capture.key)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -209,9 +208,17 @@ class Recorder(RecordedTable):
         """
         if self._closed:
             raise RuntimeError("Recorder.step: the recorder is closed")
+        step = step_index(step)
         if self._step is not None:
             raise RuntimeError(f"Recorder.step({step}): step {self._step} is still open (steps do not nest)")
         self._step = step
+        try:
+            return self._open(step, replay)
+        except BaseException:  # (a sink's write that failed, say): the step is not left open
+            self.abort_step()
+            raise
+
+    def _open(self, step: int, replay: bool) -> bool:
         self._updates.expire(step, self._checks.warn_once)
         if self._replay is not None and not replay:
             self._replay.before()
@@ -323,7 +330,7 @@ class Recorder(RecordedTable):
         if isinstance(value, torch.Tensor) and value.numel() != 1:
             raise ValueError(f"Recorder.log({quantity!r}, ...): the value must be a scalar (a number, or a tensor of "
                              f"one element), got a tensor of shape {tuple(value.shape)}")
-        key = model_key(quantity)
+        key = model_key(loggable(quantity, value, lr_from_optimizer=self._lr_from_optimizer))
         if self._buffer is not None and step in (None, self._step):
             if isinstance(value, torch.Tensor):
                 self._buffer.add(key, value.detach().float().reshape(()))
@@ -379,7 +386,7 @@ class Recorder(RecordedTable):
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer) and flushes and closes the sinks;
         the recorded table stays readable."""
-        self._release_guards()  # once, whatever calls it first
+        self._release_settings()  # once, whatever calls it first
         self._capture.remove()
         self._updates.remove()
         self._closed = True

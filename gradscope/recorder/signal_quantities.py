@@ -80,6 +80,10 @@ class OutputLogitLogZ(_Signal):
         if not signals.vocab:
             ctx.warn_once("logits", f"{self.name}: the model has no embedding table or config.vocab_size, "
                           "so its output is not taken for logits: no rows")
+        elif signals.outputs and not signals.outputs_with_logits:
+            ctx.warn_once("logits", f"{self.name}: the model's output held no logits (a tensor, or a tuple item, "
+                          f"whose last dimension is the vocabulary, {sorted(signals.vocab)}; a model that returns "
+                          "only its loss has none): no rows")
         ctx.add(model_key(self.name), signals.logz_values()[self.which])
 
 

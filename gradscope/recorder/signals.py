@@ -169,6 +169,7 @@ class Signals:
         self._calls: dict[int, dict] = {}  # attention index -> {"mask", "rope", "q", "k"} of the call in progress
         self.handles: list = []
         self.device: torch.device | None = None
+        self.outputs = self.outputs_with_logits = 0  # model outputs seen in the step, and those holding logits
 
     def install(self, *, attention: bool, rms: bool, logits: bool) -> None:
         """Registers the hooks of the signals a Recorder may record (once per Recorder), so
@@ -207,6 +208,7 @@ class Signals:
         self.logz.zero_()
         self.logz[2] = -math.inf
         self._calls = {}
+        self.outputs = self.outputs_with_logits = 0
 
     def end(self) -> None:
         self.want_attention = self.want_rms = self.want_logits = False
@@ -311,14 +313,27 @@ class Signals:
     def _output(self, module, args, output):
         if not (self.want_logits and self.is_on()) or in_backward():
             return None
-        t = getattr(output, "logits", None)
-        t = t if isinstance(t, torch.Tensor) else first_tensor(output)
-        if t is None or not t.is_floating_point() or t.shape[-1] not in self.vocab:
+        self.outputs += 1
+        t = self._logits_of(output)
+        if t is None:
             return None
+        self.outputs_with_logits += 1
         log_z = torch.logsumexp(t.detach().float(), dim=-1)
         self.logz[0] += log_z.sum()
         self.logz[1] += log_z.numel()
         self.logz[2] = torch.maximum(self.logz[2], log_z.max())
+        return None
+
+    def _logits_of(self, output) -> torch.Tensor | None:
+        """The model output's logits: ``output.logits`` (HuggingFace), the output itself, or
+        the first item of a tuple whose last dimension is the vocabulary (a model that
+        returns ``(loss, logits)`` puts a 0-d loss first); None if there is none."""
+        t = getattr(output, "logits", None)
+        candidates = [t] if isinstance(t, torch.Tensor) else [output] if isinstance(output, torch.Tensor) else \
+            list(output) if isinstance(output, (tuple, list)) else []
+        for c in candidates:
+            if isinstance(c, torch.Tensor) and c.is_floating_point() and c.dim() >= 1 and c.shape[-1] in self.vocab:
+                return c
         return None
 
     # -- end of step ------------------------------------------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import numbers
 
 import torch
 from torch import nn
@@ -46,43 +47,113 @@ def dist_rank() -> int:
     return 0
 
 
-class HookGuards:
-    """The two Dynamo settings a Recorder needs, set while any Recorder is open and restored
-    when the last one closes.
+class DynamoSettings:
+    """The Dynamo settings a Recorder needs, set while any Recorder is open and restored when
+    the last one closes.
 
-    - ``skip_nnmodule_hook_guards=False``: by default Dynamo does not guard on module hooks,
-      so a compiled model of one class may run the graph traced from another instance of
-      that class, hooks or no hooks, and a Recorder on the second would see no hook fire.
-      With the guards on, an instance with the recorder's hooks and one without each get
-      their own graph.
-    - ``skip_fwd_side_effects_in_bwd_under_checkpoint=True``: the recorder's hooks count
-      calls (a Python side effect) inside a checkpointed forward, which Dynamo refuses under
+    - ``skip_fwd_side_effects_in_bwd_under_checkpoint=True``: the recorder's hooks count calls
+      (a Python side effect) inside a checkpointed forward, which Dynamo refuses under
       ``fullgraph=True`` ("HOP: Unsafe side effect"). Skipping forward side effects when
       backward recomputes is what the recorder wants anyway: a recomputed call is not a new
       call.
+    - ``recompile_limit`` at least ``modules`` + 8 (and ``accumulated_recompile_limit`` twice
+      that), ``modules`` being the recorded modules: blocks compiled one by one
+      (torchtitan-style) share their forward's code, and each block's recorded graph writes
+      into slots of its own, so a recorded step compiles one graph per block (plus the
+      unrecorded one they share). Past Dynamo's default of 8 a ``fullgraph=True`` compile
+      fails; a limit that is already higher stays.
+
+    Module hooks need no setting: an armed module has a class of its own
+    (:mod:`gradscope.recorder.hookset`).
     """
 
     _open = 0
     _saved: dict[str, object] | None = None
-    SETTINGS = {"skip_nnmodule_hook_guards": False, "skip_fwd_side_effects_in_bwd_under_checkpoint": True}
+    SETTINGS = {"skip_fwd_side_effects_in_bwd_under_checkpoint": True}
 
     @classmethod
-    def acquire(cls) -> None:
+    def acquire(cls, modules: int = 0) -> None:
+        """One more Recorder open, of ``modules`` recorded modules."""
         config = torch._dynamo.config
+        wanted = dict(cls.SETTINGS)
+        if hasattr(config, "recompile_limit"):
+            wanted["recompile_limit"] = modules + 8
+            wanted["accumulated_recompile_limit"] = 2 * (modules + 8)
         if cls._open == 0:
-            cls._saved = {k: getattr(config, k) for k in cls.SETTINGS if hasattr(config, k)}
-            for k in cls._saved:
-                setattr(config, k, cls.SETTINGS[k])
+            cls._saved = {k: getattr(config, k) for k in wanted if hasattr(config, k)}
+        for k in cls._saved or {}:
+            v = wanted[k]
+            setattr(config, k, max(v, getattr(config, k)) if isinstance(v, int) and not isinstance(v, bool) else v)
         cls._open += 1
 
     @classmethod
     def release(cls) -> None:
+        """One Recorder fewer open; the last one restores the settings."""
         if cls._open == 0:
             return
         cls._open -= 1
         if cls._open == 0 and cls._saved is not None:
             for k, v in cls._saved.items():
                 setattr(torch._dynamo.config, k, v)
+
+
+def checked_arguments(model, *, every, slow_every, optimizer, run) -> tuple[int, int]:
+    """``(every, slow_every)`` as ints, after checking the Recorder's arguments whose mistakes
+    would otherwise surface later and elsewhere.
+
+    Raises:
+        TypeError: ``model`` is no ``nn.Module``, ``optimizer`` has no ``param_groups``,
+            ``run`` is no string.
+        ValueError: ``every`` or ``slow_every`` is not an integer >= 1.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"Recorder: model must be a torch.nn.Module (or its torch.compile or DDP wrapper), "
+                        f"got {type(model).__name__}")
+    if optimizer is not None and not hasattr(optimizer, "param_groups"):
+        raise TypeError(f"optimizer: the optimizer that steps this model (a torch.optim.Optimizer, with "
+                        f"param_groups), got {optimizer!r}")
+    if run is not None and not isinstance(run, str):
+        raise TypeError(f"run: the run's name, a string, got {run!r}")
+    for name, value in (("every", every), ("slow_every", slow_every)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"{name}: must be an integer >= 1, got {value!r}")
+    return int(every), int(slow_every)
+
+
+def step_index(step) -> int:
+    """A training step's index as an int (numpy integers too).
+
+    Raises:
+        TypeError: ``step`` is not an integer (a float, a string, None, a bool).
+    """
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"Recorder.step: the step must be an integer (the global training step), got {step!r}")
+    return int(step)
+
+
+def loggable(quantity: str, value, *, lr_from_optimizer: bool) -> str:
+    """``quantity`` if ``Recorder.log`` may write it: a name, not one the Recorder computes
+    itself (two rows under one key, or one hidden; ``lr`` only while the Recorder reads it
+    from the optimizer), with a number for a value.
+
+    Raises:
+        ValueError: an empty name, or one the Recorder computes.
+        TypeError: the value is no number and no tensor.
+    """
+    from gradscope.recorder.quantities import REGISTRY
+
+    if not isinstance(quantity, str) or not quantity:
+        raise ValueError(f"Recorder.log: the quantity must be a non-empty name, got {quantity!r}")
+    own = REGISTRY.get(quantity)
+    written_by_log = getattr(own, "logged", False) or getattr(own, "logged_by_gradscope", False)
+    if own is not None and not written_by_log and (quantity != "lr" or lr_from_optimizer):
+        raise ValueError(f"Recorder.log({quantity!r}, ...): {quantity!r} is a quantity the Recorder computes itself"
+                         + (" (from the optimizer it was given)" if quantity == "lr" else "")
+                         + "; log your value under another name")
+    if not isinstance(value, (numbers.Real, torch.Tensor)) or isinstance(value, bool):
+        raise TypeError(f"Recorder.log({quantity!r}, ...): the value must be a number or a one-element tensor, "
+                        f"got {type(value).__name__}")
+    return quantity
 
 
 def grad_scale(scaler) -> torch.Tensor | None:

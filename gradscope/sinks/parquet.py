@@ -58,7 +58,7 @@ class ParquetSink(Sink):
     """
 
     def __init__(self, log_dir: str | os.PathLike, *, flush_every: int = 100) -> None:
-        if not isinstance(flush_every, int) or flush_every < 1:
+        if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(f"flush_every: must be an integer >= 1, got {flush_every!r}")
         self.log_dir = Path(log_dir)
         self.flush_every = flush_every
@@ -154,10 +154,13 @@ def _last_step_on_disk(log_dir: Path, rank: int) -> int | None:
     return last
 
 
-def _last_writes(tables: list[pa.Table], stamps: list[int]) -> pd.DataFrame:
-    """The parts' rows in one frame, each (run, rank, step, quantity) from the newest part
-    that holds it. Parts whose (run, rank, step range) overlap no other part's are taken
-    whole, without a group-by (the common case: one run, written once)."""
+def _last_writes(tables: list[pa.Table], stamps: list[int], sources: list[str]) -> pd.DataFrame:
+    """The parts' rows in one frame, each (run, rank, step, quantity) from the newest part of
+    its source that holds it: a ``log_dir`` (a run resumed from a checkpoint into its own
+    folder writes again the steps it had flushed after that checkpoint) or a saved file.
+    Rows of different sources are all kept; two sources with the same run name and the same
+    steps are two runs under one name, and a warning says so. Parts that overlap no other
+    part are taken whole, without a group-by (the common case: one run, written once)."""
     key = [c for c in ("run", "rank", "step", "quantity") if all(c in t.column_names for t in tables)]
     if len(tables) < 2 or "step" not in key:
         return pa.concat_tables(tables).to_pandas()
@@ -166,15 +169,26 @@ def _last_writes(tables: list[pa.Table], stamps: list[int]) -> pd.DataFrame:
         ids = set(itertools.product(*(pc.unique(t[c]).to_pylist() for c in key if c in ("run", "rank"))))
         lo_hi = pc.min_max(t["step"]).as_py() if t.num_rows else {"min": None, "max": None}
         spans.append((ids, lo_hi["min"], lo_hi["max"]))
-    overlap = any(a[1] is not None and b[1] is not None and a[0] & b[0] and a[1] <= b[2] and b[1] <= a[2]
-                  for i, a in enumerate(spans) for b in spans[i + 1:])
-    if not overlap:
+
+    def overlap(a, b) -> bool:
+        return a[1] is not None and b[1] is not None and bool(a[0] & b[0]) and a[1] <= b[2] and b[1] <= a[2]
+
+    pairs = [(i, j) for i in range(len(spans)) for j in range(i + 1, len(spans)) if overlap(spans[i], spans[j])]
+    clashes = sorted({(sources[i], sources[j]) for i, j in pairs if sources[i] != sources[j]})
+    if clashes:
+        names = sorted({str(r[0]) for i, j in pairs if sources[i] != sources[j] for r in spans[i][0] & spans[j][0]})
+        warnings.warn(f"gradscope: {len(clashes)} pair(s) of runs in different places share a run name and steps "
+                      f"(run {', '.join(map(repr, names[:5]))}; e.g. {clashes[0][0]} and {clashes[0][1]}): all their rows "
+                      "are kept, and only their place tells them apart in the frame. Give each Recorder its own run=, "
+                      "or load them one by one", stacklevel=3)
+    if not any(sources[i] == sources[j] for i, j in pairs):
         return pa.concat_tables(tables).to_pandas()
     order = np.argsort(np.argsort(stamps, kind="stable"), kind="stable")  # write order of each part
     df = pa.concat_tables(tables).to_pandas()
     df["_written"] = np.repeat(order, [t.num_rows for t in tables])
-    newest = df.groupby(key, dropna=False, sort=False)["_written"].transform("max")
-    return df[df["_written"] == newest].drop(columns="_written").reset_index(drop=True)
+    df["_source"] = np.repeat(np.unique(sources, return_inverse=True)[1], [t.num_rows for t in tables])
+    newest = df.groupby([*key, "_source"], dropna=False, sort=False)["_written"].transform("max")
+    return df[df["_written"] == newest].drop(columns=["_written", "_source"]).reset_index(drop=True)
 
 
 def part_files(path: str | os.PathLike) -> list[Path]:
@@ -223,9 +237,10 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
 
     Returns:
         The rows, with the dtypes of ``rec.frame()``. A (run, rank, step, quantity) found
-        in several parts (a run resumed from a checkpoint into its own ``log_dir`` writes
-        again the steps it had flushed after that checkpoint) is read from the newest part
-        only: the last write wins. Parts written before the ``role`` column existed get it
+        in several parts of one ``log_dir`` (a run resumed from a checkpoint into its own
+        folder writes again the steps it had flushed after that checkpoint) is read from the
+        newest part only: the last write wins. Runs in different folders or files are all
+        read, also under one run name (with a warning). Parts written before the ``role`` column existed get it
         from :func:`gradscope.table.parquet.legacy_roles`.
 
     Raises:
@@ -236,7 +251,7 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
 
     dataset = open_dataset(path)
     columns = list(columns or COLUMNS)
-    tables, stamps, legacy = [], [], False
+    tables, stamps, sources, legacy = [], [], [], False
     for fragment in tqdm(dataset.get_fragments(), total=len(dataset.files), desc="reading parts", unit="file",
                          disable=not progress, leave=False):
         try:
@@ -249,7 +264,8 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
         tables.append(table)
         stamp = (schema.metadata or {}).get(WRITTEN_KEY)
         stamps.append(int(stamp) if stamp is not None else os.stat(fragment.path).st_mtime_ns)
-    df = _last_writes(tables, stamps)
+        sources.append(str(Path(fragment.path).parent) if stamp is not None else fragment.path)  # a log_dir, or a file
+    df = _last_writes(tables, stamps, sources)
     if legacy and {"role", "quantity", "site", "stack", "layer", "variant"} <= set(columns):
         missing = df["role"].isna()
         df.loc[missing, "role"] = legacy_roles(df[missing].astype({c: DTYPES[c] for c in df.columns}))

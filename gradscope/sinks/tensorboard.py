@@ -12,6 +12,7 @@ a ``SummaryWriter`` of your own): ``TensorBoardSink(writer=writer)``. Tags are
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -70,13 +71,19 @@ class TensorBoardSink(Sink):
 def write_frame(df, log_dir: str | os.PathLike) -> int:
     """Writes a saved table (``gradscope.load(...)``) to TensorBoard, as the live sink would have.
 
+    A table of several runs (a folder of runs loaded at once) is written one run per
+    subfolder, ``log_dir/<run>``, which TensorBoard shows as runs side by side; the series of
+    two runs would otherwise be one series with two values per step.
+
     Args:
         df: a gradscope table.
-        log_dir: TensorBoard run folder (created).
+        log_dir: TensorBoard folder (created): the run's, or the parent of the runs'.
 
     Returns:
         The number of scalars written.
     """
+    if "run" in df.columns and df["run"].nunique(dropna=False) > 1:
+        return sum(write_frame(rows, Path(log_dir) / _folder_name(run)) for run, rows in df.groupby("run", sort=True))
     sink = TensorBoardSink(log_dir)
     sink.open(RunInfo(run="", variant="", rank=0, reduction=""))
     try:
@@ -88,6 +95,11 @@ def write_frame(df, log_dir: str | os.PathLike) -> int:
     finally:
         sink.close()
     return len(df)
+
+
+def _folder_name(run) -> str:
+    """A run's name as a folder name (path separators replaced)."""
+    return str(run).replace(os.sep, "_").replace("/", "_") or "_"
 
 
 def _opt(column) -> list:
