@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -49,11 +51,33 @@ def parse_args(prog: str, description: str, argv: Sequence[str] | None) -> argpa
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False")
+    problem = _unwritable(args.out)
+    if problem:
+        parser.error(f"--out {args.out}: {problem}")
     return args
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
     return value
+
+
+def _unwritable(out: Path) -> str | None:
+    """Why the folder ``out`` could not be written, or None: its nearest existing folder is
+    tried with a folder made and removed at once (permissions alone do not tell, for root or
+    on /proc), so nothing is left behind."""
+    path = out.resolve()
+    while not path.exists():
+        path = path.parent
+    if not path.is_dir():
+        return f"{path} is not a folder"
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".gradscope-probe-", dir=path))
+    except OSError as err:
+        return f"cannot write in {path} ({err.strerror or err})"
+    return None

@@ -101,8 +101,12 @@ class Analysis:
         return self.preset.batch_size != self.preset_batch_size
 
     def setting_notes(self) -> list[str]:
-        """What differs from the preset (``--batch-size``, ``--init-only``), for footers and verdicts."""
+        """What differs from the preset (``--max-steps``, ``--batch-size``, ``--init-only``), for
+        footers and verdicts."""
         notes = []
+        if self.max_steps is not None:
+            notes.append(f"training capped at {self.max_steps} step{'s' if self.max_steps != 1 else ''} "
+                         "(--max-steps: a smoke run, not the preset's verdict)")
         if self.batch_reduced:
             notes.append(f"batch {self.preset.batch_size} instead of the preset's {self.preset_batch_size} "
                          "(--batch-size; width and depth unchanged)")

@@ -126,8 +126,12 @@ def global_rows(df: pd.DataFrame, world_size: int | None = None, reduction: str 
         short = stats[stats["n"] != W]
         if len(short):
             first = short.iloc[0]
+            steps = {r: sorted(int(x) for x in g["step"].unique()) for r, g in rows.groupby("rank")}
+            differ = len({tuple(v) for v in steps.values()}) > 1
+            why = (f": the ranks recorded different steps ({'; '.join(f'rank {r}: {_few(v)}' for r, v in steps.items())}); "
+                   "every rank must record the same steps (the same every= and step indices)") if differ else ""
             raise ValueError(f"{first['quantity']} at step {first['step']} site {first['site']!r}: "
-                             f"{first['n']} rank rows, expected {W}")
+                             f"{first['n']} rank rows, expected {W}{why}")
         mean = (stats["reduction"] == "mean").to_numpy()
         norm = np.sqrt(stats["sq"].to_numpy(np.float64))
         rule = stats["quantity"].map(rules).to_numpy()
@@ -156,3 +160,8 @@ def global_act_grad_norms(df: pd.DataFrame, world_size: int | None = None, reduc
     (derivation in the module docstring); see :func:`global_rows` for the arguments.
     """
     return global_rows(df, world_size, reduction, quantities=("act_grad_norm",))
+
+
+def _few(steps: list[int]) -> str:
+    """A list of steps, shortened past six."""
+    return str(steps) if len(steps) <= 6 else f"[{', '.join(map(str, steps[:3]))}, ..., {steps[-1]}] ({len(steps)} steps)"

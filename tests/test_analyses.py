@@ -75,6 +75,18 @@ def test_bad_flags_exit_2(name, argv, capsys):
     assert "usage:" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv, said", [(["--threads", "abc"], "--threads: must be an integer >= 1, got 'abc'"),
+                                        (["--out", "FILE/sub"], "is not a folder")])
+def test_bad_values_are_usage_errors_that_name_the_flag(argv, said, tmp_path, capsys):
+    (tmp_path / "FILE").write_text("a file, not a folder")
+    argv = [a.replace("FILE", str(tmp_path / "FILE")) for a in argv]
+    with pytest.raises(SystemExit) as err:
+        module("grad_norms").main(["--preset", "ci", *argv])
+    assert err.value.code == 2
+    assert said in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["FILE"]  # nothing written
+
+
 def test_every_flag_has_help():
     parser = make_parser("x", "")
     assert all(a.help for a in parser._actions)

@@ -277,8 +277,11 @@ def test_global_rows_refuse_missing_ranks():
     with pytest.raises(ValueError, match="world_size=4"):
         global_rows(_table([3.0, 4.0]), world_size=4)
     two_sites = pd.concat([_table([3.0, 4.0]), _table([1.0]).assign(site="t")])
-    with pytest.raises(ValueError, match="1 rank rows, expected 2"):
+    with pytest.raises(ValueError, match="1 rank rows, expected 2$"):
         global_rows(two_sites)
+    other_steps = pd.concat([_table([3.0, 4.0]), _table([1.0]).assign(step=1)])  # rank 0 recorded step 1 too
+    with pytest.raises(ValueError, match=r"recorded different steps \(rank 0: \[0, 1\]; rank 1: \[0\]\)"):
+        global_rows(other_steps)
 
 
 def test_gather_without_process_group_is_the_own_frame():

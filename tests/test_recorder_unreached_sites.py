@@ -5,6 +5,7 @@ apart. References: autograd on a copy of the model, with the same backward."""
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -219,4 +220,31 @@ def test_blocks_compiled_one_by_one_and_a_backward_given_inputs_name_the_compile
     assert "blocks.0.out" not in got and "blocks.0.ln.out" not in got
     assert got["norm.in"] == pytest.approx(kept["norm.in"].grad.norm().item(), rel=1e-5)
     assert got["blocks.2.out"] == pytest.approx(kept["norm.in"].grad.norm().item(), rel=1e-5)  # the same tensor
+    rec.close()
+
+
+def test_an_evaluation_step_under_no_grad_records_values_and_says_nothing_of_backward():
+    """A recorded evaluation step (``torch.no_grad``, PyTorch's fused encoder fast path) with
+    every quantity: a norm's w/σ mark is not taken for a gradient the step expected, so no
+    warning asks for a backward; the layer outputs' norms equal hooks of the test's own."""
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 4, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False).eval()
+    x = torch.randn(2, 5, 16)
+    outs = []
+    handles = [m.register_forward_hook(lambda m, a, o: outs.append(o.norm().item())) for m in model.layers]
+    with torch.no_grad():
+        model(x)
+    for h in handles:
+        h.remove()
+    rec = gradscope.Recorder(model, quantities="all")
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        with torch.no_grad(), rec.step(0):
+            model(x)
+        frame = rec.frame()
+    assert not [w for w in _gradscope_warnings(record) if "backward" in w]
+    got = frame[(frame.quantity == "act_norm") & (frame.role == "layer_out")].sort_values("layer").value.tolist()
+    assert got == pytest.approx(outs, rel=1e-6)
+    assert frame[frame.quantity == "act_grad_norm"].empty
     rec.close()

@@ -150,7 +150,7 @@ class Capture:
                 hooks.forward(p.module, self._output_hook(i))
             else:
                 hooks.forward_pre(p.module, self._input_hook(i))
-        self.signals.install(attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
+        self.signals.install(hooks, attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
         run_eagerly_as_frames_of_their_own(hooks.functions())
 
     def discard(self) -> None:

@@ -63,7 +63,8 @@ class StepChecks:
         """Raises when no hook fired although backward ran; warns (once each) about a step
         with no backward, sites that saw no call, stacks without cosine rows, norms whose
         gradient is not known, and modules called more often than ``max_calls``."""
-        if data.no_backward and (data.order > 0).any():  # (a forward under torch.no_grad expects no gradient)
+        # (a forward under torch.no_grad expects no gradient; a norm's slot marks its w/σ, not a gradient)
+        if data.no_backward and (data.order[:, : data.grad_sq.shape[1]] > 0).any():
             traced = not data.blocks["marks"].any()  # the compiled capture marks on the device, eager hooks on the host
             self.warn_once("no_backward", f"step {step} was recorded but no backward inside it reached the recorder's "
                            "sites, so it has no gradient rows (act_grad_norm, ln_gain, param_grad_norm, ...): call "

@@ -46,6 +46,7 @@ from torch import nn
 
 from gradscope.recorder.layout import Layout, is_norm
 from gradscope.recorder.sqnorm import squared_norm
+from gradscope.recorder.hookset import HookSet
 from gradscope.recorder.taps import first_tensor, in_backward
 
 QUERIES = 64  # queries sampled per sequence for the attention signals
@@ -167,30 +168,28 @@ class Signals:
         self.rms: torch.Tensor | None = None  # (n_sublayers, 2): Σ h², numel
         self.logz: torch.Tensor | None = None  # (3,): Σ log Z, tokens, max log Z
         self._calls: dict[int, dict] = {}  # attention index -> {"mask", "rope", "q", "k"} of the call in progress
-        self.handles: list = []
         self.device: torch.device | None = None
         self.outputs = self.outputs_with_logits = 0  # model outputs seen in the step, and those holding logits
 
-    def install(self, *, attention: bool, rms: bool, logits: bool) -> None:
+    def install(self, hooks: HookSet, *, attention: bool, rms: bool, logits: bool) -> None:
         """Registers the hooks of the signals a Recorder may record (once per Recorder), so
-        a Recorder without them pays nothing for them."""
+        a Recorder without them pays nothing for them, in the capture's ``hooks``: armed only
+        while a step records, like the capture's own."""
         for i, a in enumerate(self.attention if attention else ()):
-            self.handles.append(a.module.register_forward_pre_hook(self._attn_pre(i), with_kwargs=True))
+            hooks.forward_pre(a.module, self._attn_pre(i))
             if a.fused:
-                self.handles.append(a.q_src.register_forward_hook(self._qk(i, "qkv")))
+                hooks.forward(a.q_src, _with_kwargs(self._qk(i, "qkv")))
             else:
-                self.handles.append(a.q_src.register_forward_hook(self._qk(i, "q")))
-                self.handles.append(a.k_src.register_forward_hook(self._qk(i, "k")))
-            self.handles.append(a.module.register_forward_hook(self._attn_post(i)))
+                hooks.forward(a.q_src, _with_kwargs(self._qk(i, "q")))
+                hooks.forward(a.k_src, _with_kwargs(self._qk(i, "k")))
+            hooks.forward(a.module, _with_kwargs(self._attn_post(i)))
         for j, (_, m) in enumerate(self.sublayers if rms else ()):
-            self.handles.append(m.register_forward_hook(self._sublayer(j)))
+            hooks.forward(m, _with_kwargs(self._sublayer(j)))
         if logits:
-            self.handles.append(self.model.register_forward_hook(self._output))
+            hooks.forward(self.model, _with_kwargs(self._output))
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
-        self.handles.clear()
+        """Lets the buffers go (the hooks leave with the capture's HookSet)."""
         self.attn, self.rms, self.logz, self._calls = [], None, None, {}
 
     def begin(self, device: torch.device, *, attention: bool, rms: bool, logits: bool) -> None:
@@ -358,3 +357,13 @@ class Signals:
         nan = torch.tensor(math.nan, device=self.logz.device)
         return torch.stack([torch.where(seen, self.logz[0] / self.logz[1].clamp_min(1), nan),
                             torch.where(seen, self.logz[2], nan)])
+
+
+def _with_kwargs(hook):
+    """A forward hook ``hook(module, args, output)`` as one that is also given the kwargs
+    (the HookSet registers every hook with ``with_kwargs=True``)."""
+
+    def with_kwargs(module, args, kwargs, output):
+        return hook(module, args, output)
+
+    return with_kwargs

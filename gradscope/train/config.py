@@ -98,7 +98,7 @@ class TrainConfig:
     def describe(self) -> str:
         """The recipe in one line, for figure footers."""
         warm = f"{self.warmup}-step linear warm-up, " if self.warmup else "no warm-up, "
-        return (f"{self.steps} steps, Adam β=({self.betas[0]:g}, {self.betas[1]:g}), peak lr {self.lr:g}, "
+        return (f"{self.steps} step{'s' if self.steps != 1 else ''}, Adam β=({self.betas[0]:g}, {self.betas[1]:g}), peak lr {self.lr:g}, "
                 f"{warm}{self.schedule} schedule, label smoothing {self.label_smoothing:g}, "
                 f"{f'z-loss {self.z_loss:g}, ' if self.z_loss else ''}"
                 f"loss in nats (mean over target tokens), seed {self.seed}")
