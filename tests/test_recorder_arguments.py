@@ -120,3 +120,21 @@ def test_a_part_write_that_fails_leaves_no_step_open(tmp_path):
     assert sorted(total.index) == [0, 1, 3, 4, 5]
     for i in total.index:
         assert total[i] == pytest.approx(want[i], rel=1e-6)
+
+
+def test_warnings_point_at_the_users_line():
+    """Rows are built later (at frame(), or every few steps), inside gradscope: a warning from
+    there names the user's file, not gradscope's."""
+    import warnings
+
+    model = _model()
+    rec = gradscope.Recorder(model, quantities=["update_ratio", "act_grad_norm"], every=1)
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        for step in range(4):  # the first steps are built at once, the later ones at frame()
+            with rec.step(step):
+                model(torch.randn(2, 4)).sum().backward()
+        rec.frame()
+    ours = [w for w in said if str(w.message).startswith("gradscope")]
+    assert len(ours) >= 2 and all(w.filename == __file__ for w in ours), [(w.filename, str(w.message)[:60]) for w in ours]
+    rec.close()

@@ -6,8 +6,12 @@ already warned about, whether any hook has fired yet, and the highest step recor
 
 from __future__ import annotations
 
+import contextlib
+import os
+import sys
 import warnings
 
+import torch
 from torch import nn
 
 from gradscope.recorder.layout import Layout, Probe
@@ -20,6 +24,21 @@ NO_HOOK_FIRED = (
     "Recorder was given ran (copy.deepcopy, a TorchScript or torch.export copy), or a CUDA graph replayed "
     "it. Give the Recorder the model (or its torch.compile wrapper) that the training step calls."
 )
+
+
+_INTERNAL = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep,
+             contextlib.__file__)
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` that makes a warning point at the user's line: the first frame
+    above the caller of ``warnings.warn`` outside gradscope, torch and contextlib (a
+    warning from rows built later, at ``frame()``, points at that call; one from a hook
+    during backward at ``loss.backward()``)."""
+    frame, level = sys._getframe(2), 2  # (1 would be warnings.warn's caller)
+    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 class StepChecks:
@@ -41,11 +60,11 @@ class StepChecks:
         self.last_recorded: int | None = None  # the highest step recorded so far
         self._grad_versions: list | None = None
 
-    def warn_once(self, topic: str, message: str, stacklevel: int = 5) -> None:
-        """Warns ``gradscope: <message>`` the first time ``topic`` comes up."""
+    def warn_once(self, topic: str, message: str) -> None:
+        """Warns ``gradscope: <message>`` at the user's line the first time ``topic`` comes up."""
         if topic not in self.warned:
             self.warned.add(topic)
-            warnings.warn(f"gradscope: {message}", stacklevel=stacklevel)
+            warnings.warn(f"gradscope: {message}", stacklevel=user_stacklevel())
 
     def begin(self, step: int) -> None:
         """A recorded step opens: warns (once) when it repeats or goes back, and notes the
@@ -54,7 +73,7 @@ class StepChecks:
         if last is not None and step <= last:
             self.warn_once("repeat", f"step {step} recorded after step {last}: step indices should increase, or the "
                            "table holds a step twice (rec.frame() keeps both; gradscope.load(log_dir) keeps the last "
-                           "write of each step). Pass the global step to rec.step(). Not reported again.", stacklevel=6)
+                           "write of each step). Pass the global step to rec.step(). Not reported again.")
         self.last_recorded = step if last is None else max(step, last)
         if not self.ever_seen:  # (a walk over the parameters: only until a hook has fired)
             self._grad_versions = grad_versions(self.model)
@@ -72,14 +91,14 @@ class StepChecks:
                            "given inputs= (loss.backward(inputs=[...])) stopped before every site"
                            + (", which under torch.compile is any backward given inputs=: the compiled capture's "
                               "gradients reach it only through a backward not limited by inputs=" if traced else "")
-                           + ". Later steps like this are not reported again.", stacklevel=5)
+                           + ". Later steps like this are not reported again.")
         elif 0 < data.backwards < data.grad_forwards:
             self.warn_once("unseen_backward", f"step {step} ran {data.grad_forwards} forwards with grad enabled and the "
                            f"recorder saw {data.backwards} backward(s) reach its sites. Fine if forwards shared a loss "
                            "(as two passes of a contrastive or preference loss do); but a backward given inputs= that "
                            "stopped before every site (under torch.compile: any backward given inputs=) is not seen, "
                            "so the step's gradient rows leave it out and its micro-step merges with the next. Not "
-                           "reported again.", stacklevel=5)
+                           "reported again.")
         seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
         if not seen:
             if not self.ever_seen and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
@@ -90,7 +109,7 @@ class StepChecks:
         if silent:
             self.warned.update(silent)
             warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
-                          f"{_listed(silent, 8)} (drop them with sites=...)", stacklevel=4)
+                          f"{_listed(silent, 8)} (drop them with sites=...)", stacklevel=user_stacklevel())
         if "cosine" in wants:
             self._cosine(step, data)
         if ("act_grad_norm" in wants or data.user_grads) and not data.no_backward and data.micro_steps:
@@ -102,7 +121,7 @@ class StepChecks:
                           "its input twice (RMSNorm, ScaleNorm, a norm fitted from its call) is then computed in closed "
                           "form from rounded tensors, which is not exact (measured 3e-4 to 5e-3 off), so they have no "
                           "ln_gain, ln_w_over_sigma or '.in' gradient rows (nn.LayerNorm's are exact in any precision)",
-                          stacklevel=4)
+                          stacklevel=user_stacklevel())
         self._names(data.untold, "cannot be read from their calls: their input is already centred (as after another "
                     "norm), where LayerNorm's and RMSNorm's forms agree but their gradients differ, or they name no eps "
                     "and their tokens' variances are nearly equal and below 0.5; so they have no ln_gain, ln_w_over_sigma "
@@ -118,12 +137,12 @@ class StepChecks:
             warnings.warn(f"gradscope: {_listed(unfit)} do not map their normalised input to their output with one gain "
                           "per feature (adaptive norms?): the gradient through them alone is not known without "
                           "re-running them, so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows",
-                          stacklevel=4)
+                          stacklevel=user_stacklevel())
         over = [p.name for p, n in zip(self.points, calls) if n > self.K and p.name not in self.warned]
         if over:
             self.warned.update(over)
             warnings.warn(f"gradscope: {_listed(over)} called more than max_calls={self.K} times in one forward; "
-                          "later calls are added into the last row (raise max_calls)", stacklevel=4)
+                          "later calls are added into the last row (raise max_calls)", stacklevel=user_stacklevel())
 
     def _no_gradient(self, data: StepData) -> None:
         """Warns about sites called in the step with no gradient: their value never required
@@ -161,7 +180,7 @@ class StepChecks:
         new = sorted(norms - self.warned)
         if new:
             self.warned.update(new)
-            warnings.warn(f"gradscope: {_listed(new)} {why}", stacklevel=5)
+            warnings.warn(f"gradscope: {_listed(new)} {why}", stacklevel=user_stacklevel())
 
     def _cosine(self, step: int, data: StepData) -> None:
         written = {k.split(":", 1)[1]: w for k, w in data.blocks.items() if k.startswith("cosine_written:")}
@@ -171,11 +190,11 @@ class StepChecks:
             self.warned.update(f"cosine:{m}" for m in missing)
             warnings.warn(f"gradscope: no cosine rows for stack(s) {missing} in step {step}: not every layer output "
                           "was seen with the stack's feature width (outputs that change width, as a convolutional "
-                          "feature encoder's, or a layer that was not called)", stacklevel=5)
+                          "feature encoder's, or a layer that was not called)", stacklevel=user_stacklevel())
         if not self.layout.stacks:
             self.warn_once("cosine", "no cosine rows: the model has no layer stack (an nn.ModuleList of two or more "
                            "blocks of one class; x-transformers alternates attention and feed-forward blocks), "
-                           "or sites= left out its outputs", stacklevel=6)
+                           "or sites= left out its outputs")
 
 
 def _listed(names: list[str], at_most: int = 6) -> str:

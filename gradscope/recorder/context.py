@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from gradscope.recorder.checks import user_stacklevel
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.params import ParamGroups
 from gradscope.recorder.store import StepBuffer
@@ -142,4 +143,4 @@ class StepContext:
         """Warns with ``message`` the first time ``topic`` comes up for this Recorder."""
         if topic not in self.warned:
             self.warned.add(topic)
-            warnings.warn(f"gradscope: {message}", stacklevel=6)
+            warnings.warn(f"gradscope: {message}", stacklevel=user_stacklevel())

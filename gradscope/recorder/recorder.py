@@ -233,7 +233,7 @@ class Recorder(RecordedTable):
         elif "update_ratio" in self._wants and "update_ratio" in self._named:
             self._checks.warn_once("update_ratio", "update_ratio is measured around optimizer.step(): give the "
                                    "Recorder the optimizer (Recorder(model, optimizer=opt), or rec.attach_optimizer(opt)); "
-                                   "until then it has no rows", stacklevel=5)
+                                   "until then it has no rows")
         captures = set().union(*(self._quantities[q].captures for q in self._wants))
         stats = any(n in self._wants for n in self._value_stats + self._grad_stats)
         self._buffer = StepBuffer()

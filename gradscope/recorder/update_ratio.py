@@ -55,7 +55,7 @@ class UpdateRatioHooks:
             warn("update_ratio_expired", f"no update_ratio row for step {self.pending}: the optimizer did not step "
                  f"before step {step} opened (a GradScaler skipped it on inf/NaN gradients, or the optimizer steps "
                  "every few steps); the update is measured around optimizer.step() inside the recorded step or "
-                 "after it. Not reported again.", stacklevel=6)
+                 "after it. Not reported again.")
             self.pending, self._before = None, None
 
     def _before_step(self, optimizer, args, kwargs) -> None:
