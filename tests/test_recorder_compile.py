@@ -42,7 +42,7 @@ def test_compiled_recording_is_exact_and_changes_nothing(name, quantities, tmp_p
     assert recorded["graph_breaks"] == 0
     assert recorded["threads"] == plain["threads"] == 2
     # one more graph: the recorded forward (the root module's hooks, the output-logit one among them, run
-    # outside the compiled forward and eagerly: capture.run_eagerly_as_frames_of_their_own)
+    # outside the compiled forward and eagerly: HookSet.run_eagerly_as_frames_of_their_own)
     assert recorded["unique_graphs"] == recorded["graphs_after_warmup"] == plain["unique_graphs"] + 1
     a = torch.load(tmp_path / "recorded" / "params.pt")
     b = torch.load(tmp_path / "plain" / "params.pt")

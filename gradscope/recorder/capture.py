@@ -151,7 +151,7 @@ class Capture:
             else:
                 hooks.forward_pre(p.module, self._input_hook(i))
         self.signals.install(hooks, attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
-        run_eagerly_as_frames_of_their_own(hooks.functions())
+        hooks.run_eagerly_as_frames_of_their_own()
 
     def discard(self) -> None:
         """Disarms the hooks and drops what the open step captured so far."""
@@ -403,26 +403,6 @@ class Capture:
         gain_w, is_ln, eps, dims = gain
         tapped = w.norm_tap(y, x, point * self.K + c, kind, gain_w, is_ln, eps, dims)
         return replace_first(output, tapped)
-
-
-def run_eagerly_as_frames_of_their_own(hooks) -> None:
-    """Dynamo runs these hook functions eagerly when it meets them as frames of their own.
-
-    The hooks of a module that ``torch.compile`` wraps (the model, or each block compiled on
-    its own, torchtitan-style) run outside its compiled forward, and Dynamo meets them as
-    frames of their own. Compiled alone, such a frame specialises on the capture's call
-    counters and recompiles for every block, past Dynamo's recompile limit (8) at 12 blocks;
-    run eagerly, it is one eager hook. Hooks that Dynamo inlines into a traced forward (every
-    other module's) are traced as before: Dynamo's frame strategy marks the frame and the
-    frames it calls (``torch._dynamo.eval_frame.skip_code`` does the first only), not the
-    function, which ``torch.compiler.disable`` would make a graph break wherever it is traced."""
-    try:
-        from torch._dynamo.eval_frame import set_code_exec_strategy
-        from torch._dynamo.types import FrameAction, FrameExecStrategy
-    except ImportError:  # (a torch without frame strategies: Dynamo compiles them as before)
-        return
-    for code in {getattr(h, "__func__", h).__code__ for h in hooks}:
-        set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
 def forget(key: int) -> None:

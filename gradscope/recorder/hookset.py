@@ -74,6 +74,26 @@ class HookSet:
         """The hook functions, in registration order."""
         return [hook for *_, hook in self._entries]
 
+    def run_eagerly_as_frames_of_their_own(self) -> None:
+        """Dynamo runs the hook functions eagerly where it meets them as frames of their own.
+
+        The hooks of a module that ``torch.compile`` wraps (the model, or each block compiled
+        on its own, torchtitan-style) run outside its compiled forward, and Dynamo meets them
+        as frames of their own. Compiled alone, such a frame specialises on the capture's call
+        counters and recompiles for every block, past Dynamo's recompile limit (8) at 12
+        blocks; run eagerly, it is one eager hook. Hooks that Dynamo inlines into a traced
+        forward (every other module's) are traced as before: Dynamo's frame strategy marks
+        the frame and the frames it calls (``torch._dynamo.eval_frame.skip_code`` does the
+        first only), not the function, which ``torch.compiler.disable`` would make a graph
+        break wherever it is traced."""
+        try:
+            from torch._dynamo.eval_frame import set_code_exec_strategy
+            from torch._dynamo.types import FrameAction, FrameExecStrategy
+        except ImportError:  # (a torch without frame strategies: Dynamo compiles them as before)
+            return
+        for code in {getattr(h, "__func__", h).__code__ for h in self.functions()}:
+            set_code_exec_strategy(code, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+
     def arm(self) -> None:
         """Puts every hook back where it was: before the hooks registered after it (handle
         ids grow with registration), so a user's hook added later still sees our output;
