@@ -111,3 +111,29 @@ def test_two_recorders_on_one_model_keep_it_armed_until_both_end(no_recorder_ope
     b.close()
     assert [type(m) for m in model.modules()] == own
     assert not a.frame().empty and not b.frame().empty
+
+
+def test_a_model_copied_or_saved_inside_a_recorded_step_is_a_plain_model(no_recorder_open, tmp_path):
+    """copy.deepcopy and torch.save inside a recorded step (after its forward): the copy has
+    the model's own classes and none of the recorder's hooks, computes what the model does,
+    and the recorded rows equal autograd."""
+    import copy
+
+    torch.manual_seed(0)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    own = [type(m) for m in model.modules()]
+    want = _reference(copy.deepcopy(model), x)
+    rec = gradscope.Recorder(model)
+    with rec.step(0):
+        out = model(x)
+        snapshot = copy.deepcopy(model)
+        torch.save(model, tmp_path / "model.pt")
+        out.sum().backward()
+    loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+    for other in (snapshot, loaded):
+        assert [type(m) for m in other.modules()] == own
+        assert not any(d for m in other.modules() for d in (m._forward_hooks, m._forward_pre_hooks))
+        assert torch.equal(other(x), model(x))
+    df = rec.frame().set_index(["quantity", "site"]).value
+    assert df["act_grad_norm", "blocks.0.out"] == pytest.approx(want["blocks.0.out"], rel=1e-5)
+    rec.close()

@@ -28,6 +28,7 @@ Disarming puts the original class back; so does ``remove()``.
 
 from __future__ import annotations
 
+import copyreg
 from collections.abc import Callable
 
 from torch import nn
@@ -61,6 +62,7 @@ class HookSet:
             if self.armed:
                 _arm_class(module)
         self._handles.append(handle)
+        _OURS.add(handle.id)
         self._entries.append((hooks, with_kwargs, handle.id, hook))
         if not self.armed:
             del hooks[handle.id], with_kwargs[handle.id]
@@ -130,6 +132,7 @@ class HookSet:
         self._modules.clear()
         self._module_ids.clear()
         for h in self._handles:
+            _OURS.discard(h.id)
             h.remove()
         self._handles.clear()
         self._entries.clear()
@@ -162,11 +165,29 @@ def armed_class(cls: type) -> type:
     """The armed twin of a module class: a subclass of ``cls`` that adds nothing (same name,
     qualified name and module; ``isinstance`` holds both ways a caller would check), one per
     class and process, so that Dynamo's type guard tells an armed module from an unarmed
-    instance of ``cls``. A twin is its own twin."""
+    instance of ``cls``. Copied or pickled while armed, a module is one of ``cls`` without the
+    recorder's hooks (:func:`_reduce_as_original`). A twin is its own twin."""
     if cls in _ORIGINAL:
         return cls
     twin = _ARMED.get(cls)
     if twin is None:
-        twin = _ARMED[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__})
+        twin = _ARMED[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                         "__reduce_ex__": _reduce_as_original})
         _ORIGINAL[twin] = cls
     return twin
+
+
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")
+_OURS: set[int] = set()  # handle ids of every HookSet's hooks (ids are unique in the process)
+
+
+def _reduce_as_original(self, protocol):
+    """``copy.deepcopy`` or pickle of an armed module (during a recorded step): an instance
+    of its own class, without the recorder's hooks, as it would be between steps."""
+    state = dict(self.__getstate__())
+    for name in _HOOK_DICTS:
+        hooks = state.get(name)
+        if hooks and any(k in _OURS for k in hooks):
+            state[name] = type(hooks)((k, v) for k, v in hooks.items() if k not in _OURS)
+    # (copyreg's __newobj__ would have pickle check that the class is the object's own)
+    return copyreg._reconstructor, (_ORIGINAL[type(self)], object, None), state
