@@ -137,3 +137,24 @@ def test_a_model_copied_or_saved_inside_a_recorded_step_is_a_plain_model(no_reco
     df = rec.frame().set_index(["quantity", "site"]).value
     assert df["act_grad_norm", "blocks.0.out"] == pytest.approx(want["blocks.0.out"], rel=1e-5)
     rec.close()
+
+
+def test_an_id_left_by_a_module_collected_while_armed_does_not_keep_another_armed(no_recorder_open):
+    """A Recorder dropped inside a step leaves its modules' arm counts behind; a new module
+    that gets one of their ids still has its own class back after its step."""
+    import weakref
+
+    from gradscope.recorder import hookset
+
+    model = Twin()
+    own = [type(m) for m in model.modules()]
+    gone = torch.nn.Linear(2, 2)
+    for m in model.modules():  # as if a collected module had held these ids, armed twice
+        hookset._ARMS[id(m)] = (weakref.ref(gone), 2)
+    rec = gradscope.Recorder(model)
+    with rec.step(0):
+        model(torch.randn(2, 3, 8)).sum().backward()
+    assert [type(m) for m in model.modules()] == own
+    rec.close()
+    for m in model.modules():  # (the entries planted on modules without a recorder hook)
+        hookset._ARMS.pop(id(m), None)

@@ -29,6 +29,7 @@ Disarming puts the original class back; so does ``remove()``.
 from __future__ import annotations
 
 import copyreg
+import weakref
 from collections.abc import Callable
 
 from torch import nn
@@ -141,20 +142,23 @@ class HookSet:
 _SET_CLASS = object.__setattr__  # (not nn.Module.__setattr__, which looks through the module's dicts first)
 _ARMED: dict[type, type] = {}  # a module class -> its armed twin
 _ORIGINAL: dict[type, type] = {}  # an armed twin -> the class it stands for
-_ARMS: dict[int, int] = {}  # id(module) -> how many armed HookSets hold it (two Recorders on one model)
+_ARMS: dict[int, tuple[weakref.ref, int]] = {}  # id(module) -> (module, how many armed HookSets hold it)
 
 
 def _arm_class(module: nn.Module) -> None:
-    _ARMS[id(module)] = _ARMS.get(id(module), 0) + 1
+    held = _ARMS.get(id(module))
+    count = held[1] if held is not None and held[0]() is module else 0  # (an id left by a module collected armed)
+    _ARMS[id(module)] = (weakref.ref(module), count + 1)
     _SET_CLASS(module, "__class__", armed_class(type(module)))
 
 
 def _disarm_class(module: nn.Module) -> None:
     """The module's own class back once no armed HookSet holds it (and if nothing else gave it
     another class meanwhile, as ``fully_shard`` would)."""
-    left = _ARMS.pop(id(module), 1) - 1
+    held = _ARMS.pop(id(module), None)
+    left = held[1] - 1 if held is not None and held[0]() is module else 0
     if left > 0:
-        _ARMS[id(module)] = left
+        _ARMS[id(module)] = (held[0], left)
         return
     base = _ORIGINAL.get(type(module))
     if base is not None:
