@@ -44,9 +44,11 @@ def test_numpy_integers_and_a_single_sink_are_taken(tmp_path):
         with rec.step(step):
             model(torch.randn(2, 4)).square().sum().backward()
             rec.log("loss", np.float32(0.5))
+            rec.log("val_loss", np.array(1.5))  # a 0-d numpy array: float() takes it
         model.zero_grad()
     rec.close()
     assert sorted(rec.frame().step.unique()) == [0, 2]
+    assert rec.frame().query("quantity == 'val_loss'").value.tolist() == [1.5, 1.5]
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         gradscope.Recorder(None)
 

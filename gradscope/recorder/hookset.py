@@ -167,7 +167,7 @@ def _disarm_class(module: nn.Module) -> None:
 
 def armed_class(cls: type) -> type:
     """The armed twin of a module class: a subclass of ``cls`` that adds nothing (same name,
-    qualified name and module; ``isinstance`` holds both ways a caller would check), one per
+    qualified name and module; ``isinstance(m, cls)`` still holds), one per
     class and process, so that Dynamo's type guard tells an armed module from an unarmed
     instance of ``cls``. Copied or pickled while armed, a module is one of ``cls`` without the
     recorder's hooks (:func:`_reduce_as_original`). A twin is its own twin."""

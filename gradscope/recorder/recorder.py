@@ -60,9 +60,10 @@ from gradscope.table.rows import RowStore
 class Recorder(RecordedTable):
     """Records gradient norms and LayerNorm statistics of ``model``.
 
-    Make it before the first call of a compiled model (``torch.compile`` sees only hooks
-    that exist when it traces); a Recorder whose hooks never fire raises at the end of the
-    step rather than returning an empty table.
+    It may be made before or after the model is compiled (a recorded module has a class of
+    its own while its step records, so Dynamo traces it again with the hooks); a Recorder
+    whose hooks never fire raises at the end of the step rather than returning an empty
+    table.
 
     Args:
         model: a zoo model (also when wrapped, e.g. in a LightningModule or DDP) or any

@@ -138,9 +138,10 @@ def loggable(quantity: str, value, *, lr_from_optimizer: bool) -> str:
 
     Raises:
         ValueError: an empty name, or one the Recorder computes.
-        TypeError: the value is no number and no tensor.
+        TypeError: the value is no number (nothing ``float()`` takes, or a bool or string)
+            and no tensor.
     """
-    from gradscope.recorder.quantities import REGISTRY
+    from gradscope.recorder.quantities import REGISTRY  # (here: quantities imports checks, which imports this module)
 
     if not isinstance(quantity, str) or not quantity:
         raise ValueError(f"Recorder.log: the quantity must be a non-empty name, got {quantity!r}")
@@ -150,7 +151,7 @@ def loggable(quantity: str, value, *, lr_from_optimizer: bool) -> str:
         raise ValueError(f"Recorder.log({quantity!r}, ...): {quantity!r} is a quantity the Recorder computes itself"
                          + (" (from the optimizer it was given)" if quantity == "lr" else "")
                          + "; log your value under another name")
-    if not isinstance(value, (numbers.Real, torch.Tensor)) or isinstance(value, bool):
+    if isinstance(value, (str, bytes, bool)) or not (isinstance(value, torch.Tensor) or hasattr(value, "__float__")):
         raise TypeError(f"Recorder.log({quantity!r}, ...): the value must be a number or a one-element tensor, "
                         f"got {type(value).__name__}")
     return quantity
