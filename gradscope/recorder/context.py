@@ -9,6 +9,8 @@ keys, and once-only warnings; never the Recorder itself.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -125,7 +127,11 @@ class StepContext:
         """Per parameter group: whether any of its parameters has a gradient (a frozen
         group's norm is not 0.0 but absent). Host-side, no device work."""
         if "with_grads" not in self._cache:
-            self._cache["with_grads"] = self.groups.any_member(self.has_grads())
+            grads = self._grads()
+            if any(map(operator.is_, grads, itertools.repeat(None))):
+                self._cache["with_grads"] = self.groups.any_member(self.has_grads())
+            else:  # (every parameter has one: the usual step)
+                self._cache["with_grads"] = list(self.groups.populated)
         return self._cache["with_grads"]
 
     @property

@@ -61,11 +61,13 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
               wants: set[str], params_unscaled: bool, backwards: int = 1, grad_forwards: int = 1,
               value_stats: tuple[str, ...] = (),
-              grad_stats: tuple[str, ...] = (), width: int = FWD) -> tuple[list, np.ndarray, StepData]:
+              grad_stats: tuple[str, ...] = (), width: int = FWD, key_cache: dict | None = None
+              ) -> tuple[list, np.ndarray, StepData]:
     """The rows of one recorded step, in the order of ``quantities`` (the Recorder's).
 
     ``value_stats`` / ``grad_stats``: the names of the quantities whose ``site_value`` /
-    ``site_grad`` the capture took, in its channel order.
+    ``site_grad`` the capture took, in its channel order; ``key_cache``: the Recorder's row
+    keys kept from step to step (:meth:`StepData.step_keys`).
 
     Gradient norms are divided by the GradScaler scale (key ``__scale__``); parameter norms
     only if the user had not unscaled them already. ``backwards``: the backwards the capture
@@ -116,7 +118,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
     data = StepData(layout, points, K, grad_sq, arrived, order, value, device, blocks, unfit, no_backward, low,
                     user_values, user_grads, untold, guessed, traced=traced[:, :n_taps], backwards=backwards,
-                    grad_forwards=grad_forwards)
+                    grad_forwards=grad_forwards, key_cache={} if key_cache is None else key_cache)
     rows: list = []
     for name, quantity in quantities.items():
         if name in wants and not quantity.logged:

@@ -49,6 +49,7 @@ class ParamGroups:
                 membership[gi, index[pname]] = 1.0
         self._membership = membership
         self._membership_np = membership.numpy().astype(np.float64)
+        self.populated = (self._membership_np.sum(axis=1) > 0).tolist()  # per group: has a parameter
         self._on: dict[torch.device, torch.Tensor] = {}
         self._keys: dict[str, list[Key]] = {}
 

@@ -164,6 +164,7 @@ class Recorder(RecordedTable):
         self._step: int | None = None
         self._recording = False
         self._late = LateRows(self._out, self._rows)  # a step's rows are built later (recorder/late_rows.py)
+        self._key_cache: dict = {}  # row keys kept from step to step (StepData.step_keys)
         self._updates = UpdateRatioHooks(self.groups, self._late.rows)
         self._closed = False
         self._lr_from_optimizer = optimizer is not None
@@ -373,7 +374,7 @@ class Recorder(RecordedTable):
                                        K=self._capture.K, quantities=self._quantities, wants=wants,
                                        params_unscaled=params_unscaled, backwards=backwards, grad_forwards=grad_forwards,
                                        value_stats=self._value_stats, grad_stats=self._grad_stats,
-                                       width=self._capture.width)
+                                       width=self._capture.width, key_cache=self._key_cache)
         self._checks.after(step, data, calls, wants)
         return keys, values
 

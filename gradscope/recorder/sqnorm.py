@@ -107,6 +107,9 @@ def fp64_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     one stack when all are short and share shape and dtype (site values and gradients, the
     usual case), else the :class:`SquaredNormPlan` kept for these shapes (the one home of
     the plans: gradients, parameters and site batches all come here)."""
+    last = _PLANS.get(len(tensors))  # the plan used last for a list this long, tried first
+    if last is not None and last.fits(tensors):  # (a model's gradients, step after step)
+        return last(tensors)
     shapes, dtypes = list(map(_shape, tensors)), list(map(_dtype, tensors))
     n = len(tensors)
     with torch.no_grad():
@@ -119,6 +122,7 @@ def fp64_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
             if len(_PLANS) >= 32:  # shapes that keep changing (variable sequence lengths): keep a few
                 _PLANS.clear()
             plan = _PLANS[key] = SquaredNormPlan(tensors)
+        _PLANS[n] = plan
         return plan(tensors)
 
 
@@ -155,11 +159,13 @@ class SquaredNormPlan:
             owner = torch.repeat_interleave(torch.tensor(at), torch.tensor(rows)).to(self.device)
             self.groups.append((at, owner, sum(rows)))
         self.long_at = torch.tensor(self.long, device=self.device)
-        self.shapes = [t.shape for t in tensors]
+        self.shapes, self.dtypes = [t.shape for t in tensors], [t.dtype for t in tensors]
 
     def fits(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether ``tensors`` have the shapes the plan was built for (one pass of C-level compares)."""
-        return len(tensors) == self.n and list(map(_shape, tensors)) == self.shapes
+        """Whether ``tensors`` have the shapes, dtypes and device the plan was built for (a
+        few passes of C-level compares)."""
+        return (len(tensors) == self.n and list(map(_shape, tensors)) == self.shapes
+                and list(map(_dtype, tensors)) == self.dtypes and tensors[0].device == self.device)
 
     def __call__(self, tensors: list[torch.Tensor]) -> torch.Tensor:
         """fp64 ‖t‖² of each of ``tensors`` (the shapes the plan was built for), in order."""
@@ -174,7 +180,7 @@ class SquaredNormPlan:
             return out
 
 
-_PLANS: dict[tuple, SquaredNormPlan] = {}  # (shapes, dtypes, device) -> plan: fp64_squared_norms
+_PLANS: dict[tuple | int, SquaredNormPlan] = {}  # (shapes, dtypes, device), or a list's length -> plan: fp64_squared_norms
 _shape = operator.attrgetter("shape")
 _dtype = operator.attrgetter("dtype")
 _version = operator.attrgetter("_version")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -42,6 +43,7 @@ class StepData:
     traced: np.ndarray | None = None  # (M, taps) bool: slots a compiled call marked (their arrival is not seen)
     backwards: int = 1  # backwards the capture saw in the step
     grad_forwards: int = 1  # forwards of the step that ran with grad enabled
+    key_cache: dict = field(default_factory=dict)  # the Recorder's: step-row keys kept from step to step (step_keys)
 
     @property
     def micro_steps(self) -> int:
@@ -85,6 +87,24 @@ class StepData:
         """(point, call, slot, site name) of every (site, call) slot called in the step."""
         return self._sites
 
+    def step_keys(self, quantity: str) -> list[Key]:
+        """The keys of ``quantity``'s step rows (micro_step -1), one per slot of
+        :meth:`slot_sites`, in its order (made once: :meth:`kept_keys`)."""
+        slots = tuple(slot for _, _, slot, _ in self._sites)
+        return self.kept_keys((quantity, slots), lambda: [Key(-1, p.stack, p.layer, site, quantity, None, p.role)
+                                                          for p, _, _, site in self._sites])
+
+    def kept_keys(self, which: tuple, make: Callable[[], list[Key]]) -> list[Key]:
+        """The row keys ``which`` names, made by ``make()`` the first time. The same slots are
+        called step after step, so keys are made once and kept in the Recorder's
+        ``key_cache``: the same Key objects each step, which the row store finds by identity."""
+        keys = self.key_cache.get(which)
+        if keys is None:
+            if len(self.key_cache) >= 256:  # (slots that keep changing: keep a few)
+                self.key_cache.clear()
+            keys = self.key_cache[which] = make()
+        return keys
+
     @cached_property
     def value_called(self) -> np.ndarray:
         """(M, taps) bool: micro-steps in which a slot's forward value was seen."""
@@ -94,14 +114,17 @@ class StepData:
         """Rows of a per-site statistic: ``values`` (M, taps) where ``seen`` (M, taps), per
         micro-step when the step had several, and the step's row combined by ``how``
         (:data:`~gradscope.recorder.quantity.COMBINE`)."""
+        if self.micro_steps == 1:  # one row per site, with the keys kept from step to step
+            slots = [slot for _, _, slot, _ in self._sites]
+            got = seen[0, slots].tolist()
+            return [(k, float(combine(values[:, slot], how))) for k, slot, g in zip(self.step_keys(quantity), slots, got) if g]
         out = []
         for p, _, slot, site in self.slot_sites():
             got = seen[:, slot]
             if not got.any():
                 continue
-            if self.micro_steps > 1:
-                out += [(Key(m, p.stack, p.layer, site, quantity, None, p.role), float(values[m, slot]))
-                        for m in np.flatnonzero(got).tolist()]
+            out += [(Key(m, p.stack, p.layer, site, quantity, None, p.role), float(values[m, slot]))
+                    for m in np.flatnonzero(got).tolist()]
             out.append((Key(-1, p.stack, p.layer, site, quantity, None, p.role), float(combine(values[got, slot], how))))
         return out
 
