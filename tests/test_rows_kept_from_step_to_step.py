@@ -103,3 +103,48 @@ def test_ln_gain_of_every_norm_at_once_matches_autograd(micro_batches):
         i = int(name.split(".")[1])
         want = math.sqrt(sq_in[i]) / math.sqrt(sq_out[i])
         assert rows[name] == pytest.approx(want, rel=1e-5)
+
+
+def test_sites_a_branch_skips_on_some_steps_get_rows_only_when_called():
+    """Kept keys are per set of called slots: a step that skips a block has no rows for its
+    sites, and the next step that calls it has them again, with the values of its own
+    forward (‖h‖ from a hook of the test's own, ‖∂L/∂h‖ from autograd)."""
+    torch.manual_seed(0)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(6, 6) for _ in range(3))
+
+        def forward(self, x, skip_b):
+            for i, block in enumerate(self.blocks):
+                if not (skip_b and i == 1):
+                    x = block(x)
+            return x
+
+    model = Net()
+    seen: dict[str, torch.Tensor] = {}
+    for i, block in enumerate(model.blocks):
+        def keep(module, args, out, name=f"blocks.{i}.out"):
+            out.retain_grad()
+            seen[name] = out
+        block.register_forward_hook(keep)
+    rec = gradscope.Recorder(model, quantities=["act_norm", "act_grad_norm"])
+    expected = {}
+    plan = [False, True, False, False, True, True, False]
+    for step, skip_b in enumerate(plan):
+        seen.clear()
+        with rec.step(step):
+            model(torch.randn(3, 6), skip_b).square().sum().backward()
+        for name, out in seen.items():
+            expected[(step, name, "act_norm")] = float(out.detach().double().norm())
+            expected[(step, name, "act_grad_norm")] = float(out.grad.double().norm())
+    rec.close()
+    df = rec.frame()
+    got = {(int(s), site, q): v for s, site, q, v in zip(df.step, df.site, df.quantity, df.value)
+           if site.endswith(".out")}
+    assert set(got) == set(expected)
+    skipped = {step for step, skip_b in enumerate(plan) if skip_b}
+    assert not any(int(s) in skipped for s in df.step[df.site.str.startswith("blocks.1.")])
+    for k, want in expected.items():
+        assert got[k] == pytest.approx(want, rel=1e-5), k

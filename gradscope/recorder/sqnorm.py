@@ -106,7 +106,10 @@ def fp64_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     """fp64 ‖t‖² of each of ``tensors`` (a non-empty list), in order, in a fixed few operations:
     one stack when all are short and share shape and dtype (site values and gradients, the
     usual case), else the :class:`SquaredNormPlan` kept for these shapes (the one home of
-    the plans: gradients, parameters and site batches all come here)."""
+    the plans: gradients, parameters and site batches all come here). The plan used last
+    for a list of this length is tried first (:meth:`SquaredNormPlan.fits`): a model's
+    gradients come step after step with the same shapes, and building the key of a
+    258-tensor list costs as much as the plan's call."""
     last = _PLANS.get(len(tensors))  # the plan used last for a list this long, tried first
     if last is not None and last.fits(tensors):  # (a model's gradients, step after step)
         return last(tensors)
@@ -162,8 +165,8 @@ class SquaredNormPlan:
         self.shapes, self.dtypes = [t.shape for t in tensors], [t.dtype for t in tensors]
 
     def fits(self, tensors: list[torch.Tensor]) -> bool:
-        """Whether ``tensors`` have the shapes, dtypes and device the plan was built for (a
-        few passes of C-level compares)."""
+        """Whether ``tensors`` have the shapes and dtypes the plan was built for, and the
+        first of them its device (as the plans' key has it; a few passes of C-level compares)."""
         return (len(tensors) == self.n and list(map(_shape, tensors)) == self.shapes
                 and list(map(_dtype, tensors)) == self.dtypes and tensors[0].device == self.device)
 

@@ -87,22 +87,23 @@ class StepData:
         """(point, call, slot, site name) of every (site, call) slot called in the step."""
         return self._sites
 
-    def step_keys(self, quantity: str) -> list[Key]:
+    def step_keys(self, quantity: str) -> tuple[Key, ...]:
         """The keys of ``quantity``'s step rows (micro_step -1), one per slot of
         :meth:`slot_sites`, in its order (made once: :meth:`kept_keys`)."""
         slots = tuple(slot for _, _, slot, _ in self._sites)
         return self.kept_keys((quantity, slots), lambda: [Key(-1, p.stack, p.layer, site, quantity, None, p.role)
                                                           for p, _, _, site in self._sites])
 
-    def kept_keys(self, which: tuple, make: Callable[[], list[Key]]) -> list[Key]:
-        """The row keys ``which`` names, made by ``make()`` the first time. The same slots are
-        called step after step, so keys are made once and kept in the Recorder's
-        ``key_cache``: the same Key objects each step, which the row store finds by identity."""
+    def kept_keys(self, which: tuple, make: Callable[[], list[Key]]) -> tuple[Key, ...]:
+        """The row keys ``which`` names (a tuple that starts with the quantity's name), made
+        by ``make()`` the first time. The same slots are called step after step, so keys are
+        made once and kept in the Recorder's ``key_cache``: the same Key objects each step,
+        which the row store finds by identity. A tuple, as later steps share it."""
         keys = self.key_cache.get(which)
         if keys is None:
             if len(self.key_cache) >= 256:  # (slots that keep changing: keep a few)
                 self.key_cache.clear()
-            keys = self.key_cache[which] = make()
+            keys = self.key_cache[which] = tuple(make())
         return keys
 
     @cached_property

@@ -23,21 +23,23 @@ class RowStore:
         self._key_index: dict[Key, int] = {}
         self._keys: list[Key] = []
         self._chunks: list[tuple[int, np.ndarray, np.ndarray]] = []  # (step, key ids, values)
-        self._last: tuple[list[Key], np.ndarray] = ([], np.zeros(0, dtype=np.int32))  # the last append's keys and ids
+        self._last: dict[int, tuple[list[Key], np.ndarray]] = {}  # length -> the last append this long: keys, ids
 
     def append(self, step: int, keys: list[Key], values: np.ndarray) -> None:
         """Adds one step's rows."""
         if not keys:
             return
-        last_keys, last_ids = self._last
-        if len(keys) == len(last_keys):  # most keys are the very objects of the step before (StepData.step_keys)
-            ids = last_ids.copy()
-            for j, same in enumerate(map(operator.is_, keys, last_keys)):
+        last = self._last.get(len(keys))
+        if last is not None:  # a step's rows: mostly the very Key objects of the step before (StepData.step_keys)
+            ids = last[1].copy()
+            for j, same in enumerate(map(operator.is_, keys, last[0])):
                 if not same:
                     ids[j] = self._intern(keys[j])
         else:
             ids = np.fromiter((self._intern(k) for k in keys), dtype=np.int32, count=len(keys))
-        self._last = (list(keys), ids)
+        if len(self._last) >= 16 and len(keys) not in self._last:  # (lengths that keep changing: keep a few)
+            self._last.clear()
+        self._last[len(keys)] = (list(keys), ids)
         self._chunks.append((step, ids, np.asarray(values, dtype=np.float64)))
 
     def _intern(self, key: Key) -> int:
@@ -65,7 +67,7 @@ class RowStore:
         """Replaces the stored rows with those of :meth:`state_dict`."""
         self._keys = [Key(*k, "") if len(k) == 6 else Key(*k) for k in state["keys"]]  # older checkpoints: no role
         self._key_index = {k: i for i, k in enumerate(self._keys)}
-        self._last = ([], np.zeros(0, dtype=np.int32))
+        self._last = {}
         self._chunks = [(int(step), ids.numpy().astype(np.int32), values.numpy().astype(np.float64))
                         for step, ids, values in state["chunks"]]
 
