@@ -69,7 +69,9 @@ a sampled statistic)."""
 class Quantity:
     """Base class of every quantity, built-in or written by a user.
 
-    Class attributes (override them in a subclass):
+    Its class attributes say what it is; a subclass overrides them.
+
+    Attributes:
         name: the ``quantity`` column of its rows (lower case, unique).
         description: one line, shown in the quantity reference.
         paper: where it comes from (author year, figure or equation), or ``""``.

@@ -208,7 +208,7 @@ def open_dataset(path: str | os.PathLike | list) -> ds.Dataset:
     """A ``pyarrow.dataset`` over every part below ``path`` (a run, a folder of runs, a file
     or a list of files), with :data:`SCHEMA`; nothing is read until it is scanned.
 
-    Example, the decoder's layer-output gradients of a run larger than memory::
+    Example, the decoder's layer-output gradients of a run larger than memory:
 
         import pyarrow.dataset as ds
         d = open_dataset("runs/")
