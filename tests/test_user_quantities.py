@@ -235,8 +235,15 @@ def test_contract_mistakes_are_named():
         def collect(self, ctx):
             ctx.add_model_value("loss", 1.0)
 
+    class BothWays(MaxAbs):  # site_value and site_grad: rows of one name at the same sites
+        name = "both_ways"
+
+        def site_grad(self, grad):
+            return grad.abs().amax()
+
     model, idx = NanoGPT(), torch.randint(0, 32, (2, 7))
     for bad, match in ((Misspelled(), r"none of site_value.*did you mean .*'site_value'"), (Shouting(), "Shouting.name"),
+                       (BothWays(), r"BothWays: defines both site_value and site_grad.*make two quantities"),
                        (PassesForBuiltIn(), "a built-in quantity's name"), (MaxAbs, r"pass an instance, MaxAbs\(\)")):
         with pytest.raises(ValueError, match=match):
             gradscope.Recorder(model, quantities=[bad])

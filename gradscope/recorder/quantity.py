@@ -165,6 +165,10 @@ class Quantity:
             hint = f" (did you mean {close}?)" if close else ""
             raise ValueError(f"{kind}: defines none of site_value, site_grad, collect or rows, so it would record "
                              f"nothing{hint}")
+        if self.takes_site_values and self.takes_site_grads and type(self).rows is Quantity.rows:
+            raise ValueError(f"{kind}: defines both site_value and site_grad, whose rows would both be quantity "
+                             f"{self.name!r} at the same sites and could not be told apart: make two quantities, "
+                             "one with each (or write rows() to name them)")
         bad = sorted(set(self.captures) - set(CAPTURES))
         if bad:
             raise ValueError(f"{kind}.captures: unknown {bad}; valid: {list(CAPTURES)}")
