@@ -44,6 +44,7 @@ class HookSet:
         self._entries: list[tuple[dict, dict, int, Callable]] = []  # (hooks dict, with_kwargs dict, id, hook)
         self.armed = armed
         self._modules: list[nn.Module] = []  # the hooked modules, once each (their class is swapped while armed)
+        self._refs: list[weakref.ref] = []  # a weak reference to each, made once (arming counts by it)
         self._module_ids: set[int] = set()
 
     def forward(self, module: nn.Module, hook: Callable) -> None:
@@ -60,8 +61,9 @@ class HookSet:
         if id(module) not in self._module_ids:
             self._module_ids.add(id(module))
             self._modules.append(module)
+            self._refs.append(weakref.ref(module))
             if self.armed:
-                _arm_class(module)
+                _arm_classes([module], self._refs[-1:])
         self._handles.append(handle)
         _OURS.add(handle.id)
         self._entries.append((hooks, with_kwargs, handle.id, hook))
@@ -111,8 +113,7 @@ class HookSet:
                 hooks.update(later)
             else:
                 hooks[i] = hook
-        for m in self._modules:
-            _arm_class(m)
+        _arm_classes(self._modules, self._refs)
         self.armed = True
 
     def disarm(self) -> None:
@@ -123,14 +124,14 @@ class HookSet:
         for hooks, with_kwargs, i, _ in self._entries:
             hooks.pop(i, None)
             with_kwargs.pop(i, None)
-        for m in self._modules:
-            _disarm_class(m)
+        _disarm_classes(self._modules, self._refs)
         self.armed = False
 
     def remove(self) -> None:
         """Removes every hook for good (through its handle); every module has its own class."""
         self.disarm()
         self._modules.clear()
+        self._refs.clear()
         self._module_ids.clear()
         for h in self._handles:
             _OURS.discard(h.id)
@@ -145,24 +146,30 @@ _ORIGINAL: dict[type, type] = {}  # an armed twin -> the class it stands for
 _ARMS: dict[int, tuple[weakref.ref, int]] = {}  # id(module) -> (module, how many armed HookSets hold it)
 
 
-def _arm_class(module: nn.Module) -> None:
-    held = _ARMS.get(id(module))
-    count = held[1] if held is not None and held[0]() is module else 0  # (an id left by a module collected armed)
-    _ARMS[id(module)] = (weakref.ref(module), count + 1)
-    _SET_CLASS(module, "__class__", armed_class(type(module)))
+def _arm_classes(modules: list[nn.Module], refs: list[weakref.ref]) -> None:
+    """Gives each module its armed twin class and counts one more armed HookSet holding it
+    (``refs``: a weak reference to each module, which the count keeps, so that an id left by
+    a module collected while armed is not taken for a later module's)."""
+    for m, ref in zip(modules, refs):
+        held = _ARMS.get(id(m))
+        count = held[1] if held is not None and (held[0] is ref or held[0]() is m) else 0
+        _ARMS[id(m)] = (ref, count + 1)
+        cls = type(m)
+        _SET_CLASS(m, "__class__", cls if cls in _ORIGINAL else _ARMED.get(cls) or armed_class(cls))
 
 
-def _disarm_class(module: nn.Module) -> None:
-    """The module's own class back once no armed HookSet holds it (and if nothing else gave it
-    another class meanwhile, as ``fully_shard`` would)."""
-    held = _ARMS.pop(id(module), None)
-    left = held[1] - 1 if held is not None and held[0]() is module else 0
-    if left > 0:
-        _ARMS[id(module)] = (held[0], left)
-        return
-    base = _ORIGINAL.get(type(module))
-    if base is not None:
-        _SET_CLASS(module, "__class__", base)
+def _disarm_classes(modules: list[nn.Module], refs: list[weakref.ref]) -> None:
+    """Each module's own class back once no armed HookSet holds it (and if nothing else gave
+    it another class meanwhile, as ``fully_shard`` would)."""
+    for m, ref in zip(modules, refs):
+        held = _ARMS.pop(id(m), None)
+        left = held[1] - 1 if held is not None and (held[0] is ref or held[0]() is m) else 0
+        if left > 0:
+            _ARMS[id(m)] = (held[0], left)
+            continue
+        base = _ORIGINAL.get(type(m))
+        if base is not None:
+            _SET_CLASS(m, "__class__", base)
 
 
 def armed_class(cls: type) -> type:
