@@ -117,8 +117,8 @@ class StepData:
         (:data:`~gradscope.recorder.quantity.COMBINE`)."""
         if self.micro_steps == 1:  # one row per site, with the keys kept from step to step
             slots = [slot for _, _, slot, _ in self._sites]
-            got = seen[0, slots].tolist()
-            return [(k, float(combine(values[:, slot], how))) for k, slot, g in zip(self.step_keys(quantity), slots, got) if g]
+            combined = combine(values[:, slots], how).tolist()  # (one reduction for every site)
+            return [(k, v) for k, v, g in zip(self.step_keys(quantity), combined, seen[0, slots].tolist()) if g]
         out = []
         for p, _, slot, site in self.slot_sites():
             got = seen[:, slot]
