@@ -39,7 +39,7 @@ from torch import nn
 from gradscope.models.sites import Site
 from gradscope.recorder.cosine_rows import CosineRows
 from gradscope.recorder.eager import EagerGrads
-from gradscope.recorder.hookset import HookSet
+from gradscope.recorder.hookset import HookSet, own_class
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import statistic
 from gradscope.recorder.norm_stats import LOW_PRECISION, fit_norm, norm_gain, norm_kind, w_over_sigma
@@ -129,12 +129,12 @@ class Capture:
         # norm reads: a SiteNorm's ``in`` Site (the zoo) or what nn.LayerNorm itself receives
         # (its forward modifies nothing in place). The alias's node then sees exactly the
         # gradient the Tap would, through that norm alone.
-        plain_ln = {n.site_in for n in layout.norms if type(n.module).forward is nn.LayerNorm.forward}
+        plain_ln = {n.site_in for n in layout.norms if own_class(n.module).forward is nn.LayerNorm.forward}
         self.alias = [(o and self._alias_ok) or (p.name in fused and (self._alias_ok if p.where == "output" else p.name in plain_ln))
                        for o, p in zip(outputs, self.points)]
         # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
         self.grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
-        self.hooks = HookSet(armed=False)  # armed only while a step records (recorder/hookset.py)
+        self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/hookset.py)
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
 
     # -- installation -------------------------------------------------------------------
@@ -142,14 +142,14 @@ class Capture:
         """Registers every hook (once per Recorder); ``captures``: what the Recorder's
         quantities may capture (the forward signals' hooks are installed only if asked for)."""
         hooks = self.hooks
-        hooks.forward_pre(self.model, self._root_pre)
+        hooks.forward_pre(self.model, _root_hook(self.key))
         for j, norm in enumerate(self.layout.norms):  # before the site taps: sees the norm's raw output
-            hooks.forward(norm.module, self._norm_hook(j))
+            hooks.forward(norm.module, *self._norm_hook(j))
         for i, p in enumerate(self.points):
             if p.where == "output":
-                hooks.forward(p.module, self._output_hook(i))
+                hooks.forward(p.module, *self._output_hook(i))
             else:
-                hooks.forward_pre(p.module, self._input_hook(i))
+                hooks.forward_pre(p.module, *self._input_hook(i))
         self.signals.install(hooks, attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
         hooks.run_eagerly_as_frames_of_their_own()
 
@@ -331,52 +331,32 @@ class Capture:
     # Each hook closes over one int, its *tag* (Capture key and counter, :func:`_tag`): Dynamo
     # guards every closure cell of a traced hook, so one cell instead of two to five keeps
     # ≈400 guards of 180 hooks out of a recorded graph's guards, which every compiled call checks.
+    # Carried by a module's class (HookSet), the tag is a constant of its generated forward,
+    # which calls the module-level function (_output_hook, _input_hook, _norm_hook) directly.
     def _output_hook(self, i: int):
         tag = _tag(self.key, i)
 
         def hook(module, args, kwargs, output):
-            cap = _LIVE.get(tag >> _SHIFT)
-            if cap is None or not cap.on:
-                return None
-            t = first_tensor(output)
-            if t is None or not t.is_floating_point():
-                return None
-            new = cap._observe(tag & _MASK, t, (args, kwargs))
-            return None if new is None else replace_first(output, new)
+            return _output_hook(tag, module, args, kwargs, output)
 
-        return hook
+        return hook, (_output_hook, tag)
 
     def _input_hook(self, i: int):
         tag = _tag(self.key, i)
 
         def hook(module, args, kwargs):
-            cap = _LIVE.get(tag >> _SHIFT)
-            if cap is None or not cap.on:
-                return None
-            found = main_input(args, kwargs)
-            if found is None:
-                return None
-            where, t = found
-            new = cap._observe(tag & _MASK, t)
-            if new is None:
-                return None
-            if isinstance(where, int):
-                return (*args[:where], new, *args[where + 1:]), kwargs
-            return args, {**kwargs, where: new}
+            return _input_hook(tag, module, args, kwargs)
 
-        return hook
+        return hook, (_input_hook, tag)
 
     def _norm_hook(self, j: int):
         """Output hook on a norm: its w/σ, and the tap that gives the gradient through it."""
         tag = _tag(self.key, j)
 
         def hook(module, args, kwargs, output):
-            cap = _LIVE.get(tag >> _SHIFT)
-            if cap is None or not cap.on:
-                return None
-            return cap._norm_output(module, args, kwargs, output, tag & _MASK)
+            return _norm_hook(tag, module, args, kwargs, output)
 
-        return hook
+        return hook, (_norm_hook, tag)
 
     def _norm_output(self, module, args, kwargs, output, j: int):
         counter, kind, point = len(self.points) + j, self._norm_kind[j], self._norm_in[j]
@@ -416,6 +396,51 @@ _MASK = (1 << _SHIFT) - 1
 def _tag(key: int, counter: int) -> int:
     """One int for a hook's Capture key and counter: ``key << _SHIFT | counter``."""
     return key << _SHIFT | counter
+
+
+def _root_hook(key: int):
+    """The root's pre-hook: it reads its Capture by key, so that a Recorder dropped inside
+    a step is not kept alive by the hook left in the model's dict."""
+
+    def hook(module, args, kwargs):
+        cap = _LIVE.get(key)
+        return None if cap is None else cap._root_pre(module, args, kwargs)
+
+    return hook
+
+
+def _output_hook(tag: int, module, args, kwargs, output):
+    cap = _LIVE.get(tag >> _SHIFT)
+    if cap is None or not cap.on:
+        return None
+    t = first_tensor(output)
+    if t is None or not t.is_floating_point():
+        return None
+    new = cap._observe(tag & _MASK, t, (args, kwargs))
+    return None if new is None else replace_first(output, new)
+
+
+def _input_hook(tag: int, module, args, kwargs):
+    cap = _LIVE.get(tag >> _SHIFT)
+    if cap is None or not cap.on:
+        return None
+    found = main_input(args, kwargs)
+    if found is None:
+        return None
+    where, t = found
+    new = cap._observe(tag & _MASK, t)
+    if new is None:
+        return None
+    if isinstance(where, int):
+        return (*args[:where], new, *args[where + 1:]), kwargs
+    return args, {**kwargs, where: new}
+
+
+def _norm_hook(tag: int, module, args, kwargs, output):
+    cap = _LIVE.get(tag >> _SHIFT)
+    if cap is None or not cap.on:
+        return None
+    return cap._norm_output(module, args, kwargs, output, tag & _MASK)
 
 
 def forget(key: int) -> None:

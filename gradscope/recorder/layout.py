@@ -37,6 +37,7 @@ from torch import nn
 
 from gradscope.models.norms import ScaleNorm
 from gradscope.models.sites import Site, SiteNorm
+from gradscope.recorder.hookset import own_class
 from gradscope.table import ROLES, ZOO_SUFFIX_ROLES  # noqa: F401  (ROLES re-exported: what a site can be)
 
 KNOWN_NORMS = (
@@ -211,11 +212,11 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Mod
         if any(e is None for e in entries):
             continue
         children = list(module)
-        same_entry_class = len({type(c) for c in children}) == 1
+        same_entry_class = len({own_class(c) for c in children}) == 1
         if not same_entry_class:
             continue
         blocks = [(f"{name}.{i}{suffix}" if name else f"{i}{suffix}", block) for i, (suffix, block) in enumerate(entries)]
-        found.append((name, blocks, len({type(b) for _, b in blocks}) == 1))
+        found.append((name, blocks, len({own_class(b) for _, b in blocks}) == 1))
     return found
 
 

@@ -1,0 +1,162 @@
+"""Hooks carried by a module's class while a step records (issue 25, recorder/carrying.py):
+a module with only the recorder's tagged hooks gets a carrying class whose ``forward`` runs
+them, and its hook dicts stay empty; a module with anyone else's hooks keeps the hook dicts,
+so every hook runs in the order the dicts give. References are computed here with autograd
+on copies that never had a recorder."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import pickle
+
+import pytest
+import torch
+from torch import nn
+from twin_models import Twin, TwinBlock
+
+import gradscope
+from gradscope.recorder.carrying import is_carrying
+
+
+def _frame(rec) -> dict:
+    df = rec.frame()
+    return {(q, s): v for q, s, v in zip(df.quantity, df.site, df.value)}
+
+
+def _reference(model: Twin, x: torch.Tensor, scale: float = 1.0) -> dict[str, float]:
+    """act_norm and act_grad_norm at blocks.0's output (times ``scale``, as a user's hook
+    would scale it) and blocks.1's input norm, by autograd on a copy."""
+    model = copy.deepcopy(model)
+    h0 = model.blocks[0](x) * scale
+    h0.retain_grad()
+    model.blocks[1](h0).square().mean().backward()
+    return {"h0": h0.detach().norm().item(), "h0_grad": h0.grad.norm().item()}
+
+
+def _record(model: Twin, x: torch.Tensor, during=None):
+    rec = gradscope.Recorder(model)
+    with rec.step(0):
+        if during is not None:
+            during(model)
+        model(x).square().mean().backward()
+    rec.close()
+    return _frame(rec)
+
+
+def test_a_module_with_only_our_hooks_is_carried_and_has_its_class_back():
+    torch.manual_seed(0)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    own = [type(m) for m in model.modules()]
+    want = _reference(model, x)
+    seen = {}
+
+    def look(m):
+        block = m.blocks[0]
+        seen.update(carried=is_carrying(type(block)), dicts=len(block._forward_hooks) + len(block._forward_pre_hooks),
+                    instance=isinstance(block, TwinBlock), name=type(block).__name__)
+
+    got = _record(model, x, look)
+    assert seen == {"carried": True, "dicts": 0, "instance": True, "name": "TwinBlock"}
+    assert [type(m) for m in model.modules()] == own
+    assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
+    assert got["act_grad_norm", "blocks.0.out"] == pytest.approx(want["h0_grad"], rel=1e-5)
+
+
+@pytest.mark.parametrize("when", ["before", "global"])
+def test_a_users_earlier_hook_runs_first_as_the_hook_dicts_order(when):
+    """A user's forward hook that doubles blocks.0's output, registered before the Recorder
+    (or as a global module hook): the recorder sees the doubled output, as it would in dict
+    order, and the module keeps its hook dicts."""
+    torch.manual_seed(1)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    want = _reference(model, x, scale=2.0)
+    block = model.blocks[0]
+
+    def double(module, args, output):
+        return output * 2 if module is block else None
+
+    handle = block.register_forward_hook(double) if when == "before" else nn.modules.module.register_module_forward_hook(double)
+    try:
+        seen = {}
+        got = _record(model, x, lambda m: seen.update(carried=is_carrying(type(m.blocks[0]))))
+    finally:
+        handle.remove()
+    assert seen == {"carried": False}
+    assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
+    assert got["act_grad_norm", "blocks.0.out"] == pytest.approx(want["h0_grad"], rel=1e-5)
+
+
+def test_a_users_hook_added_inside_the_step_sees_the_recorded_output():
+    """Registered after the Recorder's hooks (inside the step), a user's hook runs after them
+    in either mode: the recorder's numbers are those of the undoubled output."""
+    torch.manual_seed(2)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    want = _reference(model, x)
+    handles = []
+    got = _record(model, x, lambda m: handles.append(m.blocks[0].register_forward_hook(lambda mod, a, o: o * 2)))
+    handles[0].remove()
+    assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
+
+
+def test_two_recorders_armed_at_once_carry_once_and_both_equal_autograd():
+    torch.manual_seed(3)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    own = [type(m) for m in model.modules()]
+    want = _reference(model, x)
+    a, b = gradscope.Recorder(model), gradscope.Recorder(model)
+    a.begin_step(0)
+    b.begin_step(0)
+    block = model.blocks[0]
+    assert is_carrying(type(block)) and len(block._forward_hooks) == 1  # a's by its class, b's in the dict
+    model(x).square().mean().backward()
+    a.end_step()
+    assert not is_carrying(type(block)) and type(block) is not TwinBlock  # b still records, in the dicts
+    b.end_step()
+    assert [type(m) for m in model.modules()] == own
+    for rec in (a, b):
+        rec.close()
+        got = _frame(rec)
+        assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
+        assert got["act_grad_norm", "blocks.0.out"] == pytest.approx(want["h0_grad"], rel=1e-5)
+
+
+def test_a_carried_module_copied_or_pickled_inside_the_step_is_a_plain_module():
+    torch.manual_seed(4)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    copies = []
+
+    def keep(m):
+        copies.extend([copy.deepcopy(m.blocks[0]), pickle.loads(pickle.dumps(m.blocks[0]))])
+
+    _record(model, x, keep)
+    for block in copies:
+        assert type(block) is TwinBlock and not block._forward_hooks
+        assert torch.equal(block(x), model.blocks[0](x))
+
+
+def test_a_recorder_dropped_inside_a_step_leaves_a_model_that_computes_and_records_as_before():
+    torch.manual_seed(5)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    want_out, want = model(x), _reference(model, x)
+    rec = gradscope.Recorder(model)
+    rec.begin_step(0)
+    assert any(is_carrying(type(m)) for m in model.modules())
+    del rec
+    gc.collect()
+    assert torch.equal(model(x), want_out)
+    got = _record(model, x)
+    assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
+    assert got["act_grad_norm", "blocks.0.out"] == pytest.approx(want["h0_grad"], rel=1e-5)
+
+
+def test_a_submodule_compiled_with_module_compile_keeps_its_hook_dicts():
+    torch.manual_seed(6)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    want = _reference(model, x)
+    model.blocks[0].ln.compile()
+    seen = {}
+    got = _record(model, x, lambda m: seen.update(carried=is_carrying(type(m.blocks[0].ln)),
+                                                  other=is_carrying(type(m.blocks[1].ln))))
+    assert seen == {"carried": False, "other": True}
+    assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
