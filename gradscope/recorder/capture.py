@@ -86,8 +86,11 @@ class Capture:
         self.n_slots = self.n_taps + len(layout.norms) * max_calls  # taps, then norms (w/σ)
         self.on = False
         self.want_value = self.want_grad = self.want_wsig = self.want_cosine = False
-        self.calls = [0] * (len(self.points) + len(layout.norms))
-        self.recalls = [0] * len(self.calls)
+        self.n_counters = len(self.points) + len(layout.norms)
+        # calls of each counter in this forward (a dict, empty when a forward begins: Dynamo
+        # guards its keys once, where a list's items would be guarded one by one)
+        self.calls: dict[int, int] = {}
+        self.recalls = [0] * self.n_counters
         self.seq = 0
         self.backwards = 0  # backwards seen in the open recorded step
         self.grad_forwards = 0  # forwards of the open recorded step that ran with grad enabled
@@ -199,8 +202,8 @@ class Capture:
         self.want_grad = grad or bool(self.grad_stats_now)
         if cosine:
             self.cosine.begin(device, cosine_tokens, generator)
-        self.calls = [0] * len(self.calls)
-        self.recalls = [0] * len(self.calls)
+        self.calls = {}
+        self.recalls = [0] * self.n_counters
         self.seq = 0
         self.backwards = self.grad_forwards = 0
         self.eager.begin()
@@ -221,7 +224,7 @@ class Capture:
         self.snapshot(backward=False)
         snapshots, self.snapshots = self.snapshots, []
         self.eager.forget()  # the retained aliases (and the graph they hold) go now, not at the next step
-        return snapshots, list(self.calls)
+        return snapshots, [self.calls.get(i, 0) for i in range(self.n_counters)]
 
     def snapshot(self, backward: bool = True) -> None:
         """Sets this micro-step's captures aside: at the end of a backward (the collector's
@@ -279,8 +282,8 @@ class Capture:
     def _root_pre(self, module, args, kwargs):
         if not self.on:
             return None
-        self.calls = [0] * len(self.calls)
-        self.recalls = [0] * len(self.recalls)
+        self.calls = {}
+        self.recalls = [0] * self.n_counters
         self.seq = 0
         if torch.is_grad_enabled():
             self.grad_forwards += 1
@@ -290,27 +293,28 @@ class Capture:
 
     def next_call(self, i: int) -> int:
         """The slot (call index clipped to max_calls) of counter ``i``'s next forward call."""
-        c = self.calls[i]
+        c = self.calls.get(i, 0)
         self.calls[i] = c + 1
         return min(c, self.K - 1)
 
     def next_recall(self, i: int) -> int:
         """The slot of a call that activation checkpointing recomputes (in reverse order of the forward)."""
-        calls = max(self.calls[i], 1)
+        calls = max(self.calls.get(i, 0), 1)
         c = calls - 1 - self.recalls[i] % calls
         self.recalls[i] += 1
         return min(c, self.K - 1)
 
-    def _observe(self, i: int, t: torch.Tensor, module_args: tuple = ((), {})) -> torch.Tensor | None:
+    def _observe(self, i: int, t: torch.Tensor, module_args: tuple, flags: int) -> torch.Tensor | None:
         """Statistics of one site value; returns the tapped value (or None to keep it).
-        ``module_args``: (args, kwargs) of the module whose output ``t`` is."""
+        ``module_args``: (args, kwargs) of the module whose output ``t`` is; ``flags``: the
+        site's :data:`TAPPED` and :data:`GRAD_EXPECTED` (from its hook's tag)."""
         w = self.writer()
         c, recompute = w.call(i)
         slot = i * self.K + c
         grad = self.want_grad and t.requires_grad and torch.is_grad_enabled()
         if not recompute:
             self.seq += 1
-            w.mark(slot, self.seq if grad and self.grad_expected[i] else -self.seq)
+            w.mark(slot, self.seq if grad and flags & GRAD_EXPECTED else -self.seq)
             if self.want_value:
                 w.value(slot, t)
             if self.stats_now:
@@ -318,7 +322,7 @@ class Capture:
                     w.put(slot, FWD + k, statistic(f, t.detach(), f"site {self.points[i].name!r}"))
             if self.want_cosine and c == 0:
                 self.cosine.sample(self.points[i].name, t)
-        if not (grad and self._taps[i]):
+        if not (grad and flags & TAPPED):
             return None
         return w.tap(i, t, slot, recompute, module_args)
 
@@ -328,13 +332,15 @@ class Capture:
         self.values.passed_on(t, out)
         return out
 
-    # Each hook closes over one int, its *tag* (Capture key and counter, :func:`_tag`): Dynamo
-    # guards every closure cell of a traced hook, so one cell instead of two to five keeps
-    # ≈400 guards of 180 hooks out of a recorded graph's guards, which every compiled call checks.
+    # Each hook closes over one int, its *tag* (Capture key, the site's flags and counter,
+    # :func:`_tag`): Dynamo guards every closure cell of a traced hook and every list item a
+    # traced hook reads, so one cell instead of two to five, and flags in the tag rather than
+    # read from per-site lists, keep ≈700 guards of 180 hooks out of a recorded graph's guards,
+    # which every compiled call checks.
     # Carried by a module's class (HookSet), the tag is a constant of its generated forward,
     # which calls the module-level function (_output_hook, _input_hook, _norm_hook) directly.
     def _output_hook(self, i: int):
-        tag = _tag(self.key, i)
+        tag = _tag(self.key, i, self._site_flags(i))
 
         def hook(module, args, kwargs, output):
             return _output_hook(tag, module, args, kwargs, output)
@@ -342,7 +348,7 @@ class Capture:
         return hook, (_output_hook, tag)
 
     def _input_hook(self, i: int):
-        tag = _tag(self.key, i)
+        tag = _tag(self.key, i, self._site_flags(i))
 
         def hook(module, args, kwargs):
             return _input_hook(tag, module, args, kwargs)
@@ -351,15 +357,18 @@ class Capture:
 
     def _norm_hook(self, j: int):
         """Output hook on a norm: its w/σ, and the tap that gives the gradient through it."""
-        tag = _tag(self.key, j)
+        tag = _tag(self.key, j, _KINDS.index(self._norm_kind[j]))
 
         def hook(module, args, kwargs, output):
             return _norm_hook(tag, module, args, kwargs, output)
 
         return hook, (_norm_hook, tag)
 
-    def _norm_output(self, module, args, kwargs, output, j: int):
-        counter, kind, point = len(self.points) + j, self._norm_kind[j], self._norm_in[j]
+    def _site_flags(self, i: int) -> int:
+        return (TAPPED if self._taps[i] else 0) | (GRAD_EXPECTED if self.grad_expected[i] else 0)
+
+    def _norm_output(self, module, args, kwargs, output, j: int, kind: str | None):
+        counter, point = len(self.points) + j, self._norm_in[j]
         found, y = main_input(args, kwargs), first_tensor(output)
         if found is None or y is None or found[1].shape != y.shape:
             return None
@@ -389,13 +398,15 @@ class Capture:
         return replace_first(output, tapped)
 
 
-_SHIFT = 32
-_MASK = (1 << _SHIFT) - 1
+_SHIFT, _FLAGS = 32, 24  # a tag's bits: Capture key from 32 on, flags from 24 to 31, counter below
+_MASK = (1 << _FLAGS) - 1
+TAPPED, GRAD_EXPECTED = 1, 2  # a site's flags: its value is tapped for its gradient; its gradient is expected
+_KINDS = (None, "ln", "rms", "scale", "bn", "gn", "fit")  # a norm's kind (norm_stats.norm_kind), as its hook's flags
 
 
-def _tag(key: int, counter: int) -> int:
-    """One int for a hook's Capture key and counter: ``key << _SHIFT | counter``."""
-    return key << _SHIFT | counter
+def _tag(key: int, counter: int, flags: int = 0) -> int:
+    """One int for a hook's Capture key, its site's flags and its counter."""
+    return key << _SHIFT | flags << _FLAGS | counter
 
 
 def _root_hook(key: int):
@@ -416,7 +427,7 @@ def _output_hook(tag: int, module, args, kwargs, output):
     t = first_tensor(output)
     if t is None or not t.is_floating_point():
         return None
-    new = cap._observe(tag & _MASK, t, (args, kwargs))
+    new = cap._observe(tag & _MASK, t, (args, kwargs), tag >> _FLAGS & 255)
     return None if new is None else replace_first(output, new)
 
 
@@ -428,7 +439,7 @@ def _input_hook(tag: int, module, args, kwargs):
     if found is None:
         return None
     where, t = found
-    new = cap._observe(tag & _MASK, t)
+    new = cap._observe(tag & _MASK, t, ((), {}), tag >> _FLAGS & 255)
     if new is None:
         return None
     if isinstance(where, int):
@@ -440,7 +451,7 @@ def _norm_hook(tag: int, module, args, kwargs, output):
     cap = _LIVE.get(tag >> _SHIFT)
     if cap is None or not cap.on:
         return None
-    return cap._norm_output(module, args, kwargs, output, tag & _MASK)
+    return cap._norm_output(module, args, kwargs, output, tag & _MASK, _KINDS[tag >> _FLAGS & 255])
 
 
 def forget(key: int) -> None:

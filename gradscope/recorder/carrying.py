@@ -13,6 +13,11 @@ The ``forward`` is generated from source, so that each hook's *tag* (the int tha
 a shared hook function which site it serves) is a constant of its code, and each function
 it calls is a global of one namespace (``_NAMESPACE``), which Dynamo guards once per graph
 rather than once per module.
+
+The Recorder carries only a module that has no other hooks when its step begins, so hooks
+run in the order the hook dicts would give. A pre-hook that you register on such a module
+*inside* a recorded step runs before the recorder's (the hook dicts run before
+``forward``); a forward hook registered there runs after them, as it would from the dicts.
 """
 
 from __future__ import annotations
