@@ -160,3 +160,25 @@ def test_a_submodule_compiled_with_module_compile_keeps_its_hook_dicts():
                                                   other=is_carrying(type(m.blocks[1].ln))))
     assert seen == {"carried": False, "other": True}
     assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
+
+
+def test_a_second_recorders_step_inside_the_first_leaves_the_first_its_carried_hooks():
+    """b's step opens and closes inside a's, before the forward: a's hooks, carried by the
+    modules' classes, still record (b's disarm only takes out b's own)."""
+    torch.manual_seed(7)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    own = [type(m) for m in model.modules()]
+    want = _reference(model, x)
+    a, b = gradscope.Recorder(model), gradscope.Recorder(model)
+    a.begin_step(0)
+    b.begin_step(0)
+    b.abort_step()
+    assert is_carrying(type(model.blocks[0]))
+    model(x).square().mean().backward()
+    a.end_step()
+    assert [type(m) for m in model.modules()] == own
+    a.close()
+    b.close()
+    got = _frame(a)
+    assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
+    assert got["act_grad_norm", "blocks.0.out"] == pytest.approx(want["h0_grad"], rel=1e-5)

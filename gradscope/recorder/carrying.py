@@ -14,10 +14,12 @@ a shared hook function which site it serves) is a constant of its code, and each
 it calls is a global of one namespace (``_NAMESPACE``), which Dynamo guards once per graph
 rather than once per module.
 
-The Recorder carries only a module that has no other hooks when its step begins, so hooks
-run in the order the hook dicts would give. A pre-hook that you register on such a module
-*inside* a recorded step runs before the recorder's (the hook dicts run before
-``forward``); a forward hook registered there runs after them, as it would from the dicts.
+The Recorder carries only a module that has no other hooks (its own or global module
+hooks) when its step begins, so hooks run in the order the hook dicts would give. A hook
+registered *inside* a recorded step, on such a module or globally, runs around the
+class's ``forward``: a pre-hook before the recorder's hooks, a forward hook after them,
+also one registered with ``prepend=True`` or as a global hook (which the dicts would have
+run first).
 """
 
 from __future__ import annotations

@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils.hooks import RemovableHandle
 
-from gradscope.recorder.carrying import carrying_class, is_carrying, release
+from gradscope.recorder.carrying import carrying_class, release
 
 
 class HookSet:
@@ -191,7 +191,7 @@ class HookSet:
             if not carried[k]:
                 hooks.pop(i, None)
                 with_kwargs.pop(i, None)
-        _disarm_classes(self._modules, self._refs)
+        _disarm_classes(self._modules, self._refs, self._twins)
         self.armed = self._live[0] = False
 
     def remove(self) -> None:
@@ -233,16 +233,18 @@ def _arm_classes(modules: list[nn.Module], refs: list[weakref.ref], carried: lis
             _SET_CLASS(m, "__class__", cls if cls in _ORIGINAL else _ARMED.get(cls) or armed_class(cls))
 
 
-def _disarm_classes(modules: list[nn.Module], refs: list[weakref.ref]) -> None:
+def _disarm_classes(modules: list[nn.Module], refs: list[weakref.ref], twins: list[type | None]) -> None:
     """Each module's own class back once no armed HookSet holds it (and if nothing else gave
-    it another class meanwhile, as ``fully_shard`` would)."""
-    for m, ref in zip(modules, refs):
+    it another class meanwhile, as ``fully_shard`` would). A module that another armed
+    HookSet still holds (with its hooks in the dicts) gets the armed twin in place of the
+    disarming set's carrying class (``twins``); another set's carrying class stays."""
+    for m, ref, twin in zip(modules, refs, twins):
         held = _ARMS.pop(id(m), None)
         left = held[1] - 1 if held is not None and (held[0] is ref or held[0]() is m) else 0
         base = _ORIGINAL.get(type(m))
-        if left > 0:  # another armed HookSet holds it (with its hooks in the dicts): not carried now
+        if left > 0:
             _ARMS[id(m)] = (held[0], left)
-            if base is not None and is_carrying(type(m)):
+            if twin is not None and type(m) is twin:
                 _SET_CLASS(m, "__class__", armed_class(base))
         elif base is not None:
             _SET_CLASS(m, "__class__", base)
@@ -262,8 +264,8 @@ def _dropped(live: list[bool], refs: list[weakref.ref], twins: list[type | None]
     modules get their classes back (their hooks left in dicts return at once, their capture
     gone), and its carrying classes go."""
     if live[0]:
-        alive = [(m, ref) for m, ref in ((ref(), ref) for ref in refs) if m is not None]
-        _disarm_classes([m for m, _ in alive], [ref for _, ref in alive])
+        alive = [(m, ref, twin) for m, ref, twin in ((ref(), ref, twin) for ref, twin in zip(refs, twins)) if m is not None]
+        _disarm_classes([m for m, _, _ in alive], [ref for _, ref, _ in alive], [twin for _, _, twin in alive])
     _forget_twins(twins)
 
 
