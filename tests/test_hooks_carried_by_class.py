@@ -99,14 +99,19 @@ def test_a_users_hook_added_inside_the_step_sees_the_recorded_output():
     assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
 
 
-def test_two_recorders_armed_at_once_carry_once_and_both_equal_autograd():
-    torch.manual_seed(3)
+def _two_armed(seed: int):
+    """(model, x, its classes, autograd reference, a, b) with a's step and then b's begun."""
+    torch.manual_seed(seed)
     model, x = Twin(), torch.randn(2, 3, 8)
-    own = [type(m) for m in model.modules()]
-    want = _reference(model, x)
+    own, want = [type(m) for m in model.modules()], _reference(model, x)
     a, b = gradscope.Recorder(model), gradscope.Recorder(model)
     a.begin_step(0)
     b.begin_step(0)
+    return model, x, own, want, a, b
+
+
+def test_two_recorders_armed_at_once_carry_once_and_both_equal_autograd():
+    model, x, own, want, a, b = _two_armed(3)
     block = model.blocks[0]
     assert is_carrying(type(block)) and len(block._forward_hooks) == 1  # a's by its class, b's in the dict
     model(x).square().mean().backward()
@@ -165,13 +170,7 @@ def test_a_submodule_compiled_with_module_compile_keeps_its_hook_dicts():
 def test_a_second_recorders_step_inside_the_first_leaves_the_first_its_carried_hooks():
     """b's step opens and closes inside a's, before the forward: a's hooks, carried by the
     modules' classes, still record (b's disarm only takes out b's own)."""
-    torch.manual_seed(7)
-    model, x = Twin(), torch.randn(2, 3, 8)
-    own = [type(m) for m in model.modules()]
-    want = _reference(model, x)
-    a, b = gradscope.Recorder(model), gradscope.Recorder(model)
-    a.begin_step(0)
-    b.begin_step(0)
+    model, x, own, want, a, b = _two_armed(7)
     b.abort_step()
     assert is_carrying(type(model.blocks[0]))
     model(x).square().mean().backward()
