@@ -30,7 +30,6 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 
 from __future__ import annotations
 
-import itertools
 
 import numpy as np
 import torch
@@ -44,12 +43,12 @@ from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import statistic
 from gradscope.recorder.norm_stats import LOW_PRECISION, fit_norm, norm_gain, norm_kind, w_over_sigma
 from gradscope.recorder.signals import Signals
+from gradscope.recorder.site_hooks import (_KINDS, _LIVE, _KEYS, GRAD_EXPECTED, TAPPED, _input_hook, _norm_hook,
+                                             _output_hook, _root_hook, _tag, _tagged, forget)
 from gradscope.recorder.sqnorm import NormBatch, Reused
 from gradscope.recorder.taps import first_tensor, main_input, replace_first
 from gradscope.recorder.writers import EagerWriter, TracedWriter
 
-_LIVE: dict[int, Capture] = {}  # open Captures by key; a hook finds its own here (see Capture.key)
-_KEYS = itertools.count()
 REACHED, REACHED_IF_TAPPED = 1, 2  # a slot's gradient arrived; a compiled backward ran (see Capture.snapshot)
 FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm; then user statistics
 
@@ -147,12 +146,13 @@ class Capture:
         hooks = self.hooks
         hooks.forward_pre(self.model, _root_hook(self.key))
         for j, norm in enumerate(self.layout.norms):  # before the site taps: sees the norm's raw output
-            hooks.forward(norm.module, *self._norm_hook(j))
+            hooks.forward(norm.module, *_tagged(_norm_hook, _tag(self.key, j, _KINDS.index(self._norm_kind[j]))))
         for i, p in enumerate(self.points):
+            tagged = _tagged(_output_hook if p.where == "output" else _input_hook, _tag(self.key, i, self._site_flags(i)))
             if p.where == "output":
-                hooks.forward(p.module, *self._output_hook(i))
+                hooks.forward(p.module, *tagged)
             else:
-                hooks.forward_pre(p.module, *self._input_hook(i))
+                hooks.forward_pre(p.module, *tagged)
         self.signals.install(hooks, attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
         hooks.run_eagerly_as_frames_of_their_own()
 
@@ -332,38 +332,6 @@ class Capture:
         self.values.passed_on(t, out)
         return out
 
-    # Each hook closes over one int, its *tag* (Capture key, the site's flags and counter,
-    # :func:`_tag`): Dynamo guards every closure cell of a traced hook and every list item a
-    # traced hook reads, so one cell instead of two to five, and flags in the tag rather than
-    # read from per-site lists, keep ≈700 guards of 180 hooks out of a recorded graph's guards,
-    # which every compiled call checks.
-    # Carried by a module's class (HookSet), the tag is a constant of its generated forward,
-    # which calls the module-level function (_output_hook, _input_hook, _norm_hook) directly.
-    def _output_hook(self, i: int):
-        tag = _tag(self.key, i, self._site_flags(i))
-
-        def hook(module, args, kwargs, output):
-            return _output_hook(tag, module, args, kwargs, output)
-
-        return hook, (_output_hook, tag)
-
-    def _input_hook(self, i: int):
-        tag = _tag(self.key, i, self._site_flags(i))
-
-        def hook(module, args, kwargs):
-            return _input_hook(tag, module, args, kwargs)
-
-        return hook, (_input_hook, tag)
-
-    def _norm_hook(self, j: int):
-        """Output hook on a norm: its w/σ, and the tap that gives the gradient through it."""
-        tag = _tag(self.key, j, _KINDS.index(self._norm_kind[j]))
-
-        def hook(module, args, kwargs, output):
-            return _norm_hook(tag, module, args, kwargs, output)
-
-        return hook, (_norm_hook, tag)
-
     def _site_flags(self, i: int) -> int:
         return (TAPPED if self._taps[i] else 0) | (GRAD_EXPECTED if self.grad_expected[i] else 0)
 
@@ -396,68 +364,6 @@ class Capture:
         gain_w, is_ln, eps, dims = gain
         tapped = w.norm_tap(y, x, point * self.K + c, kind, gain_w, is_ln, eps, dims)
         return replace_first(output, tapped)
-
-
-_SHIFT, _FLAGS = 32, 24  # a tag's bits: Capture key from 32 on, flags from 24 to 31, counter below
-_MASK = (1 << _FLAGS) - 1
-TAPPED, GRAD_EXPECTED = 1, 2  # a site's flags: its value is tapped for its gradient; its gradient is expected
-_KINDS = (None, "ln", "rms", "scale", "bn", "gn", "fit")  # a norm's kind (norm_stats.norm_kind), as its hook's flags
-
-
-def _tag(key: int, counter: int, flags: int = 0) -> int:
-    """One int for a hook's Capture key, its site's flags and its counter."""
-    return key << _SHIFT | flags << _FLAGS | counter
-
-
-def _root_hook(key: int):
-    """The root's pre-hook: it reads its Capture by key, so that a Recorder dropped inside
-    a step is not kept alive by the hook left in the model's dict."""
-
-    def hook(module, args, kwargs):
-        cap = _LIVE.get(key)
-        return None if cap is None else cap._root_pre(module, args, kwargs)
-
-    return hook
-
-
-def _output_hook(tag: int, module, args, kwargs, output):
-    cap = _LIVE.get(tag >> _SHIFT)
-    if cap is None or not cap.on:
-        return None
-    t = first_tensor(output)
-    if t is None or not t.is_floating_point():
-        return None
-    new = cap._observe(tag & _MASK, t, (args, kwargs), tag >> _FLAGS & 255)
-    return None if new is None else replace_first(output, new)
-
-
-def _input_hook(tag: int, module, args, kwargs):
-    cap = _LIVE.get(tag >> _SHIFT)
-    if cap is None or not cap.on:
-        return None
-    found = main_input(args, kwargs)
-    if found is None:
-        return None
-    where, t = found
-    new = cap._observe(tag & _MASK, t, ((), {}), tag >> _FLAGS & 255)
-    if new is None:
-        return None
-    if isinstance(where, int):
-        return (*args[:where], new, *args[where + 1:]), kwargs
-    return args, {**kwargs, where: new}
-
-
-def _norm_hook(tag: int, module, args, kwargs, output):
-    cap = _LIVE.get(tag >> _SHIFT)
-    if cap is None or not cap.on:
-        return None
-    return cap._norm_output(module, args, kwargs, output, tag & _MASK, _KINDS[tag >> _FLAGS & 255])
-
-
-def forget(key: int) -> None:
-    """Drops a Capture from the registry its hooks read (by ``close()``, or when its Recorder
-    is collected); hooks still installed then return at once."""
-    _LIVE.pop(key, None)
 
 
 def _joined(slots: list[int], sq: torch.Tensor | None, pending: list[tuple[int, torch.Tensor]]

@@ -25,11 +25,12 @@ run first).
 from __future__ import annotations
 
 import builtins
+import itertools
 from collections.abc import Callable
 
 _NAMESPACE: dict = {"__builtins__": builtins}  # the globals of every generated forward
 _NAMES: dict[int, tuple[str, int]] = {}  # id(function) -> (its name there, how many carrying classes use it)
-_COUNT = [0]
+_COUNT = itertools.count(1)
 
 
 def carrying_class(base: type, pre_hooks: list[tuple[Callable, int]], forward_hooks: list[tuple[Callable, int]],
@@ -93,8 +94,7 @@ def _name_of(function: Callable) -> str:
     """``function``'s name in the namespace (one more class uses it)."""
     held = _NAMES.get(id(function))
     if held is None:
-        _COUNT[0] += 1
-        held = (f"_gradscope_{_COUNT[0]}", 0)
+        held = (f"_gradscope_{next(_COUNT)}", 0)
         _NAMESPACE[held[0]] = function
     _NAMES[id(function)] = (held[0], held[1] + 1)
     return held[0]
