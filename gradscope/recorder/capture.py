@@ -31,7 +31,6 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 from __future__ import annotations
 
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -98,7 +97,8 @@ class Capture:
         self.fwd: torch.Tensor | None = None  # (n_slots, width): [±order (negative: not tapped), value, misfit, user...]
         self._indices: list[tuple[list[int], torch.Tensor] | None] = [None, None]  # (slots, on the device): Capture._index
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
-        self.snapshots: list[tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]] = []
+        # per snapshot: (collector gradient, forward buffer, host marks, (every tap's arrival, slots that arrived))
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor, list[float], tuple[int, list[int]]]] = []
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step
         self.marks = [0.0] * self.n_slots  # a list: setting an item costs a tenth of a numpy array's
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
@@ -212,7 +212,7 @@ class Capture:
         self.hooks.arm()
         self.on = True
 
-    def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, np.ndarray, np.ndarray]], list[int]]:
+    def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, list[float], tuple[int, list[int]]]], list[int]]:
         """Disarms the hooks; returns the step's snapshots (‖grad‖² per tap, forward buffer,
         host marks, which gradients arrived), one per backward and a last one for forward work after the last
         backward, and the call counts."""
@@ -235,15 +235,16 @@ class Capture:
         if backward and self.on:
             self.backwards += 1
         grads = self.collector.grad
-        # which gradients arrived (kept on the host): eagerly, the slots handed over; a compiled
-        # backward (the collector's gradient) materialises zeros for sites it did not reach
-        # and cannot tell them, so it marks every slot REACHED_IF_TAPPED
-        reached = np.full(self.n_taps, 0 if grads is None else REACHED_IF_TAPPED, dtype=np.int8)
+        # which gradients arrived (kept on the host, as arrays only when the rows are built:
+        # host_marks): eagerly, the slots handed over; a compiled backward (the collector's
+        # gradient) materialises zeros for sites it did not reach and cannot tell them, so it
+        # marks every slot REACHED_IF_TAPPED
+        every = 0 if grads is None else REACHED_IF_TAPPED
         if grads is None:
             grads = torch.zeros(self.n_collector, device=self.device)
         self.collector.grad = None
         arrived, sq = self.eager.take()
-        reached[arrived] = REACHED
+        reached = (every, list(arrived))
         slots, sq = _joined(arrived, sq, self.eager.pending)
         if slots:
             grads = grads.index_add(0, self._index(slots, 0), sq.to(self.device))
@@ -255,7 +256,7 @@ class Capture:
         slots, sq = _joined(*self.values.take(), self.pending_sq)
         if slots:
             fwd[self._index(slots, 1), 1] = sq.to(self.device).sqrt()
-        self.snapshots.append((grads, fwd, np.array(self.marks), reached))
+        self.snapshots.append((grads, fwd, self.marks, reached))  # (the marks list is this snapshot's from now)
         self.fwd.zero_()
         self.marks = [0.0] * self.n_slots
         self.pending_fwd.clear()

@@ -58,6 +58,17 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n
     return np.stack(keep_g), np.stack(keep_r), np.stack(keep_t), f[:, :, 0], f[:, :, 1], f[:, :, FWD:], misfit
 
 
+def host_marks(marks: list[tuple[list[float], tuple[int, list[int]]]], n_taps: int) -> tuple[np.ndarray, np.ndarray]:
+    """The snapshots' host marks as arrays: the order marks eager calls set (M, slots), and
+    whether each tap's gradient arrived (M, taps: ``REACHED``, ``REACHED_IF_TAPPED`` or 0),
+    from each snapshot's (code of every tap, slots whose gradient was handed over)."""
+    reached = np.empty((len(marks), n_taps), dtype=np.int8)
+    for row, (_, (every, arrived)) in zip(reached, marks):
+        row[:] = every
+        row[arrived] = REACHED
+    return np.array([m for m, _ in marks], dtype=np.float64), reached
+
+
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
               wants: set[str], params_unscaled: bool, backwards: int = 1, grad_forwards: int = 1,
               value_stats: tuple[str, ...] = (),

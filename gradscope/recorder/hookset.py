@@ -70,7 +70,10 @@ class HookSet:
         self._tagged: list[tuple[list, list] | None] = []  # per module: its (function, tag) pre- and forward hooks; None: not carried
         self._twins: list[type | None] = []  # per module: its carrying class, made at its first carried arming
         self._carried: list[bool] = []  # per module: carried by its class in the open arming
-        self._live = [armed]  # (shared with the finalizer: whether the set is armed)
+        self._own_entries: list[list[tuple[dict, dict, int, Callable]]] = []  # per module: its entries of _entries
+        # (shared with the finalizer and the registry of armed sets: whether the set is armed,
+        # and whether its modules are counted in _ARMS in the open arming)
+        self._live = [armed, False]
         weakref.finalize(self, _dropped, self._live, self._refs, self._twins)  # (a set dropped without remove())
 
     def forward(self, module: nn.Module, hook: Callable, tagged: tuple[Callable, int] | None = None) -> None:
@@ -104,6 +107,7 @@ class HookSet:
             self._tagged.append(None if module is self._root else ([], []))
             self._twins.append(None)
             self._carried.append(False)
+            self._own_entries.append([])
         if tagged is None:
             self._tagged[k] = None  # (a hook without a tag: the module keeps its hook dicts)
         elif self._tagged[k] is not None:
@@ -112,6 +116,7 @@ class HookSet:
         self._handles.append(handle)
         _OURS.add(handle.id)
         self._entries.append((hooks, with_kwargs, handle.id, hook, k))
+        self._own_entries[k].append((hooks, with_kwargs, handle.id, hook))
         del hooks[handle.id], with_kwargs[handle.id]
         if armed:
             self.arm()
@@ -150,25 +155,43 @@ class HookSet:
         other hooks (:func:`_carriable`) gets its carrying class, whose ``forward`` runs
         them; any other module gets its hooks back into its hook dicts, before the hooks
         registered after them (handle ids grow with registration), so a user's hook added
-        later still sees our output, and its armed twin class."""
+        later still sees our output, and its armed twin class.
+
+        One pass over the modules, touching each module's state once: on a GPU the step's
+        host work is the cost, and between two recorded steps these objects have left the
+        CPU's caches. Modules are counted in ``_ARMS`` (:func:`_count`) only while another
+        HookSet is armed too."""
         if self.armed:
             return
+        live = self._live
+        others = [held for key, held in _ARMED_SETS.items() if key != id(live)]
+        for other, refs in others:
+            if not other[1]:  # (armed alone until now: its modules are counted from here on)
+                _count(refs)
+                other[1] = True
         quiet = not (_GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3])
-        carried = self._carried
-        for k, m, tagged in zip(itertools.count(), self._modules, self._tagged):
-            carried[k] = quiet and tagged is not None and _carriable(m.__dict__, type(m))
-        for hooks, with_kwargs, i, hook, k in self._entries:
-            if carried[k]:
+        carried, original = self._carried, _ORIGINAL
+        for k, m, tagged, twin, entries in zip(itertools.count(), self._modules, self._tagged, self._twins,
+                                               self._own_entries):
+            cls = type(m)
+            carry = carried[k] = quiet and tagged is not None and _carriable(m.__dict__, cls)
+            if carry:
+                _SET_CLASS(m, "__class__", twin if twin is not None and twin.__base__ is cls else self._twin(k))
                 continue
-            with_kwargs[i] = True
-            if hooks and next(reversed(hooks)) > i:  # a later hook is there: keep the registration order
-                later = [(j, hooks.pop(j)) for j in [j for j in hooks if j > i]]
-                hooks[i] = hook
-                hooks.update(later)
-            else:
-                hooks[i] = hook
-        _arm_classes(self._modules, self._refs, carried, self._twins, self._twin)
-        self.armed = self._live[0] = True
+            for hooks, with_kwargs, i, hook in entries:
+                with_kwargs[i] = True
+                if hooks and next(reversed(hooks)) > i:  # a later hook is there: keep the registration order
+                    later = [(j, hooks.pop(j)) for j in [j for j in hooks if j > i]]
+                    hooks[i] = hook
+                    hooks.update(later)
+                else:
+                    hooks[i] = hook
+            _SET_CLASS(m, "__class__", cls if cls in original else _ARMED.get(cls) or armed_class(cls))
+        live[1] = bool(others)
+        if others:
+            _count(self._refs)
+        _ARMED_SETS[id(live)] = (live, self._refs)
+        self.armed = live[0] = True
 
     def _twin(self, k: int) -> type:
         """Module ``k``'s carrying class for its present class (made again if that changed)."""
@@ -186,19 +209,19 @@ class HookSet:
         something gave it another class since); ``arm`` puts them back."""
         if not self.armed:
             return
-        carried = self._carried
-        for hooks, with_kwargs, i, _, k in self._entries:
-            if not carried[k]:
-                hooks.pop(i, None)
-                with_kwargs.pop(i, None)
-        _disarm_classes(self._modules, self._refs, self._twins)
-        self.armed = self._live[0] = False
+        for carry, entries in zip(self._carried, self._own_entries):
+            if not carry:
+                for hooks, with_kwargs, i, _ in entries:
+                    hooks.pop(i, None)
+                    with_kwargs.pop(i, None)
+        _disarm_classes(self._modules, self._refs, self._twins, self._live)
+        self.armed = False
 
     def remove(self) -> None:
         """Removes every hook for good (through its handle); every module has its own class."""
         self.disarm()
         _forget_twins(self._twins)
-        for kept in (self._modules, self._refs, self._index, self._tagged, self._twins, self._carried):
+        for kept in (self._modules, self._refs, self._index, self._tagged, self._twins, self._carried, self._own_entries):
             kept.clear()
         for h in self._handles:
             _OURS.discard(h.id)
@@ -210,34 +233,40 @@ class HookSet:
 _SET_CLASS = object.__setattr__  # (not nn.Module.__setattr__, which looks through the module's dicts first)
 _ARMED: dict[type, type] = {}  # a module class -> its armed twin
 _ORIGINAL: dict[type, type] = {}  # an armed twin or a carrying class in use -> the class it stands for
-_ARMS: dict[int, tuple[weakref.ref, int]] = {}  # id(module) -> (module, how many armed HookSets hold it)
+_ARMS: dict[int, tuple[weakref.ref, int]] = {}  # id(module) -> (module, how many armed HookSets hold it), while two are armed
+_ARMED_SETS: dict[int, tuple[list, list[weakref.ref]]] = {}  # id(live) -> (live, refs) of every armed HookSet
 _GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks, _module._global_backward_hooks,
                  _module._global_backward_pre_hooks)  # (any of them: every module keeps its hooks in its dicts)
 
 
-def _arm_classes(modules: list[nn.Module], refs: list[weakref.ref], carried: list[bool],
-                 twins: list[type | None], make_twin: Callable[[int], type]) -> None:
-    """Gives each module its carrying class where ``carried`` (``twins[k]``, or
-    ``make_twin(k)`` if that is not one for the module's class) and its armed twin class
-    elsewhere, and counts one more armed HookSet holding it (``refs``: a weak reference to
-    each module, which the count keeps, so that an id left by a module collected while armed
-    is not taken for a later module's)."""
-    for m, ref, carry, twin, k in zip(modules, refs, carried, twins, itertools.count()):
+def _count(refs: list[weakref.ref]) -> None:
+    """Counts one more armed HookSet holding each module of ``refs`` (weak references,
+    which the count keeps, so that an id left by a module collected while armed is not taken
+    for a later module's)."""
+    for ref in refs:
+        m = ref()
+        if m is None:
+            continue
         held = _ARMS.get(id(m))
         count = held[1] if held is not None and (held[0] is ref or held[0]() is m) else 0
         _ARMS[id(m)] = (ref, count + 1)
-        cls = type(m)
-        if carry:
-            _SET_CLASS(m, "__class__", twin if twin is not None and twin.__base__ is cls else make_twin(k))
-        else:
-            _SET_CLASS(m, "__class__", cls if cls in _ORIGINAL else _ARMED.get(cls) or armed_class(cls))
 
 
-def _disarm_classes(modules: list[nn.Module], refs: list[weakref.ref], twins: list[type | None]) -> None:
+def _disarm_classes(modules: list[nn.Module], refs: list[weakref.ref], twins: list[type | None], live: list) -> None:
     """Each module's own class back once no armed HookSet holds it (and if nothing else gave
     it another class meanwhile, as ``fully_shard`` would). A module that another armed
     HookSet still holds (with its hooks in the dicts) gets the armed twin in place of the
-    disarming set's carrying class (``twins``); another set's carrying class stays."""
+    disarming set's carrying class (``twins``); another set's carrying class stays.
+    ``live``: the disarming set's (armed, counted); a set that was armed alone throughout
+    (not counted) only gives the classes back."""
+    _ARMED_SETS.pop(id(live), None)
+    counted, live[0], live[1] = live[1], False, False
+    if not counted:
+        for m in modules:
+            base = _ORIGINAL.get(type(m))
+            if base is not None:
+                _SET_CLASS(m, "__class__", base)
+        return
     for m, ref, twin in zip(modules, refs, twins):
         held = _ARMS.pop(id(m), None)
         left = held[1] - 1 if held is not None and (held[0] is ref or held[0]() is m) else 0
@@ -265,7 +294,7 @@ def _dropped(live: list[bool], refs: list[weakref.ref], twins: list[type | None]
     gone), and its carrying classes go."""
     if live[0]:
         alive = [(m, ref, twin) for m, ref, twin in ((ref(), ref, twin) for ref, twin in zip(refs, twins)) if m is not None]
-        _disarm_classes([m for m, _, _ in alive], [ref for _, ref, _ in alive], [twin for _, _, twin in alive])
+        _disarm_classes([m for m, _, _ in alive], [ref for _, ref, _ in alive], [twin for _, _, twin in alive], live)
     _forget_twins(twins)
 
 

@@ -39,7 +39,7 @@ from torch import nn
 from gradscope.recorder.capture import Capture, forget
 from gradscope.recorder.checks import StepChecks
 from gradscope.recorder.context import StepContext
-from gradscope.recorder.finish import SCALE, step_rows
+from gradscope.recorder.finish import SCALE, host_marks, step_rows
 from gradscope.recorder.late_rows import LateRows
 from gradscope.recorder.layout import find_layout
 from gradscope.recorder.options import RecorderOptions, moved_options, positional_names
@@ -359,17 +359,17 @@ class Recorder(RecordedTable):
                 if name in wants:
                     ctx.current = quantity
                     quantity.collect(ctx)
-            buf.add_block("snapshots", torch.stack([torch.cat([g, f.reshape(-1)]) for g, f, _, _ in snapshots]))
-            keys, values, blocks = buf.to_host()  # the one host transfer of this step
-            blocks["marks"] = np.stack([m for _, _, m, _ in snapshots])
-            blocks["reached"] = np.stack([r for *_, r in snapshots])
-        host = (keys, values, blocks, wants, calls, params_unscaled(self.scaler), self._capture.backwards,
-                self._capture.grad_forwards)
+            buf.add_block("snapshots", [t for g, f, _, _ in snapshots for t in (g, f)], (len(snapshots), -1))
+            values = buf.transfer()  # the one host transfer of this step
+        host = (values, [(m, r) for _, _, m, r in snapshots], wants, calls, params_unscaled(self.scaler),
+                self._capture.backwards, self._capture.grad_forwards)
         self._late.step(step, host, now=not self._checks.ever_seen)  # (until a hook fired: checked now)
 
     def _rows(self, step: int, host: tuple) -> tuple[list, np.ndarray]:
         """The rows of one recorded step from its host values (:class:`LateRows` calls it)."""
-        keys, values, blocks, wants, calls, params_unscaled, backwards, grad_forwards = host
+        transferred, marks, wants, calls, params_unscaled, backwards, grad_forwards = host
+        keys, values, blocks = transferred.arrays()
+        blocks["marks"], blocks["reached"] = host_marks(marks, self._capture.n_taps)
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
                                        K=self._capture.K, quantities=self._quantities, wants=wants,
                                        params_unscaled=params_unscaled, backwards=backwards, grad_forwards=grad_forwards,

@@ -1,8 +1,10 @@
 """The device buffer of one recorded step.
 
 During a recorded step every hook appends a 0-d device tensor and a key; at the end of the
-step all values reach the host in one transfer. The host keeps rows in
-:class:`gradscope.table.rows.RowStore`.
+step all values reach the host in one transfer (:meth:`StepBuffer.transfer`). What the host
+then does with them (keys, indexing, numpy arrays) waits in a :class:`Transferred` until the
+step's rows are built, off the training step (:mod:`gradscope.recorder.late_rows`). The host
+keeps rows in :class:`gradscope.table.rows.RowStore`.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ class StepBuffer:
     """Device values and their keys for one recorded step.
 
     Hooks append 0-d device tensors; a value several keys share (one tensor seen by several
-    sites) is stored once. ``to_host`` stacks them, with the vectors and matrices, into one
+    sites) is stored once. ``transfer`` stacks them, with the vectors and matrices, into one
     device vector and moves it to the host in one transfer.
     """
 
@@ -30,7 +32,7 @@ class StepBuffer:
     vectors: list[tuple[list[Key], torch.Tensor]] = field(default_factory=list)
     matrices: list[tuple[int, str, str, str, torch.Tensor]] = field(default_factory=list)
     host: list[tuple[Key, float]] = field(default_factory=list)
-    blocks: dict[str, torch.Tensor] = field(default_factory=dict)  # raw arrays that travel with the rows
+    blocks: dict[str, tuple[list[torch.Tensor], tuple]] = field(default_factory=dict)  # raw arrays (pieces, shape)
 
     def add(self, key: Key, value: torch.Tensor) -> None:
         """Appends one 0-d float32 tensor (kept on its device)."""
@@ -56,31 +58,64 @@ class StepBuffer:
         """Appends a matrix quantity; row i, column j become (layer=i, layer_j=j)."""
         self.matrices.append((micro, stack, site, quantity, matrix.detach()))
 
-    def add_block(self, name: str, values: torch.Tensor) -> None:
-        """Appends a raw array (the step's captured snapshots) that travels in the same transfer."""
-        self.blocks[name] = values.detach()
+    def add_block(self, name: str, values: torch.Tensor | list[torch.Tensor], shape: tuple[int, ...] | None = None
+                  ) -> None:
+        """Appends a raw array that travels in the same transfer: a tensor, or the pieces of
+        one (flattened and joined in the transfer itself, no operation of their own) and
+        ``shape``, its shape on the host."""
+        pieces = [values] if isinstance(values, torch.Tensor) else values
+        self.blocks[name] = ([t.detach().reshape(-1) for t in pieces],
+                             tuple(values.shape) if shape is None else shape)
 
-    def to_host(self) -> tuple[list[Key], np.ndarray, dict[str, np.ndarray]]:
-        """Moves everything to the host in one transfer; returns (keys, float64 values, blocks)."""
+    def transfer(self) -> Transferred:
+        """Moves every value to the host in one transfer (one ``cat`` on the device, one copy);
+        the rest, host work, waits in the :class:`Transferred` it returns."""
         parts = [_stack_across_devices(self.scalars)] if self.scalars else []
-        keys = list(self.keys)
-        for vector_keys, values in self.vectors:
-            parts.append(values.float())
-            keys += vector_keys
-        for micro, stack, site, quantity, m in self.matrices:
-            rows, cols = m.shape
-            parts.append(m.float().reshape(-1))
-            keys += [Key(micro, stack, i, site, quantity, j, "") for i in range(rows) for j in range(cols)]
+        parts += [values for _, values in self.vectors]
+        parts += [m.reshape(-1) for *_, m in self.matrices]
         n_rows = sum(p.numel() for p in parts)
-        parts += [b.float().reshape(-1) for b in self.blocks.values()]
-        flat = torch.cat([p.to(parts[0].device) for p in parts]).cpu().double().numpy() if parts else np.zeros(0)
-        blocks, at = {}, n_rows
-        for name, b in self.blocks.items():
-            blocks[name] = flat[at: at + b.numel()].reshape(b.shape)
-            at += b.numel()
-        flat = flat[:n_rows]
-        n_scalars = len(self.scalars)
-        values = np.concatenate([flat[np.asarray(self.slots, dtype=np.int64)], flat[n_scalars:],
+        parts += [piece for pieces, _ in self.blocks.values() for piece in pieces]
+        if not parts:
+            flat = torch.zeros(0, dtype=torch.float64)
+        else:
+            device = parts[0].device
+            flat = torch.cat([p if p.device == device and p.dtype == torch.float32 else p.to(device, torch.float32)
+                              for p in parts]).cpu()
+        return Transferred(flat, n_rows, self.keys, self.slots, len(self.scalars), [keys for keys, _ in self.vectors],
+                           [(micro, stack, site, quantity, *m.shape) for micro, stack, site, quantity, m in self.matrices],
+                           [(name, sum(p.numel() for p in pieces), shape) for name, (pieces, shape) in self.blocks.items()],
+                           self.host)
+
+
+@dataclass
+class Transferred:
+    """A recorded step's values on the host, as one float32 vector, and the bookkeeping to
+    read them (no device tensor: what the step captured can go): turned into keys and
+    arrays (:meth:`arrays`) when the rows are built."""
+
+    flat: torch.Tensor
+    n_rows: int  # values of rows at the start of ``flat``; the blocks follow
+    keys: list[Key]  # of the scalars' rows
+    slots: list[int]  # row -> index into the scalars
+    n_scalars: int
+    vector_keys: list[list[Key]]
+    matrices: list[tuple[int, str, str, str, int, int]]  # (micro, stack, site, quantity, rows, cols)
+    blocks: list[tuple[str, int, tuple]]  # (name, elements, shape)
+    host: list[tuple[Key, float]]
+
+    def arrays(self) -> tuple[list[Key], np.ndarray, dict[str, np.ndarray]]:
+        """(keys, float64 values, blocks): one value per key, and each block with its shape."""
+        flat = self.flat.double().numpy()
+        keys = list(self.keys)
+        for vector_keys in self.vector_keys:
+            keys += vector_keys
+        for micro, stack, site, quantity, rows, cols in self.matrices:
+            keys += [Key(micro, stack, i, site, quantity, j, "") for i in range(rows) for j in range(cols)]
+        blocks, at = {}, self.n_rows
+        for name, n, shape in self.blocks:
+            blocks[name] = flat[at: at + n].reshape(shape)
+            at += n
+        values = np.concatenate([flat[np.asarray(self.slots, dtype=np.int64)], flat[self.n_scalars:self.n_rows],
                                  np.array([v for _, v in self.host], dtype=np.float64)])
         keys += [k for k, _ in self.host]
         return keys, values, blocks
