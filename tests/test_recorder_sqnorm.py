@@ -207,3 +207,54 @@ def test_recorded_norms_of_long_tensors_are_within_1e_6_of_fp64(log2n):
 def test_recorded_norms_of_a_long_tensor_compiled():
     errors = _recorded_vs_fp64(22, compiled=True)
     assert max(errors.values()) < BOUND / 2, errors
+
+
+def test_a_plan_refuses_gradients_whose_shapes_changed_by_its_groups_totals():
+    """``SquaredNormPlan.if_joined`` checks each group's concatenation, not every tensor:
+    a tensor of another trailing shape, or a group with other rows in total, gives None."""
+    from gradscope.recorder.sqnorm import SquaredNormPlan
+
+    torch.manual_seed(0)
+    tensors = [torch.randn(4, 3), torch.randn(2, 3), torch.randn(5), torch.randn(7)]
+    plan = SquaredNormPlan(tensors)
+    want = torch.tensor([float(t.double().square().sum()) for t in tensors], dtype=torch.float64)
+    assert torch.allclose(plan.if_joined(tensors), want, rtol=1e-12)
+    assert plan.if_joined([torch.randn(4, 2), *tensors[1:]]) is None  # trailing shape
+    assert plan.if_joined([torch.randn(5, 3), *tensors[1:]]) is None  # rows of the group
+    assert plan.if_joined([*tensors[:2], torch.randn(6), tensors[3]]) is None
+    assert plan.if_joined(tensors[:3]) is None
+
+
+def test_parameter_gradient_norms_follow_a_parameter_given_another_shape():
+    """The gradients' plan is reused step after step without reading every shape; a
+    parameter whose data is replaced by one of another shape (model surgery between steps)
+    still gets its own norm, against autograd's ``p.grad``."""
+    import gradscope
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
+                                              for _ in range(2))
+            self.head = torch.nn.Linear(8, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for block in self.blocks:
+                x = x + block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Net()
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm"])
+    x = torch.randn(3, 8)
+    for step in range(3):
+        if step == 2:  # the head shrinks to 2 outputs
+            model.head.weight.data = model.head.weight.data[:2].clone()
+            model.head.bias.data = model.head.bias.data[:2].clone()
+        model.zero_grad(set_to_none=True)
+        with rec.step(step):
+            model(x).square().sum().backward()
+        got = rec.frame().query(f"step == {step} and site == ''").value.item()
+        want = torch.cat([p.grad.double().reshape(-1) for p in model.parameters()]).norm().item()
+        assert got == pytest.approx(want, rel=1e-6), step
+    rec.close()

@@ -52,6 +52,7 @@ class ParamGroups:
         self.populated = (self._membership_np.sum(axis=1) > 0).tolist()  # per group: has a parameter
         self._on: dict[torch.device, torch.Tensor] = {}
         self._keys: dict[str, list[Key]] = {}
+        self._plan: sqnorm.SquaredNormPlan | None = None  # the plan of the parameters' gradients (squared_norms)
 
     def keys(self, quantity: str) -> list[Key]:
         """Row keys of ``quantity`` for every group, in ``self.groups`` order (made once per quantity)."""
@@ -114,7 +115,12 @@ class ParamGroups:
         if not present:
             return None
         sharded = not set(map(type, present)) <= _PLAIN and any(is_dtensor(t) for t in present)
-        stacked = sqnorm.fp64_squared_norms([local(t) for t in present] if sharded else present).float()
+        plan = self._plan  # (the plan the gradients took last: their shapes are the parameters')
+        stacked = plan.if_joined(present) if plan is not None and not sharded else None
+        if stacked is None:
+            stacked = sqnorm.fp64_squared_norms([local(t) for t in present] if sharded else present)
+            self._plan = None if sharded else sqnorm.plan_for(present)
+        stacked = stacked.float()
         device = stacked.device
         if len(present) == len(tensors):
             sq = stacked
