@@ -258,3 +258,50 @@ def test_parameter_gradient_norms_follow_a_parameter_given_another_shape():
         want = torch.cat([p.grad.double().reshape(-1) for p in model.parameters()]).norm().item()
         assert got == pytest.approx(want, rel=1e-6), step
     rec.close()
+
+
+def test_parameter_gradient_norms_follow_which_parameters_have_a_gradient():
+    """A model whose heads take turns (step 0 uses heads a and b, step 1 heads b and c; a
+    (16→4) and c (16→4) have the same shapes, b (16→6) another): the same number of
+    gradients, with the same totals per trailing shape, but other parameters have them.
+    Each head's norm is its own, against ``p.grad`` (the gradients' plan is not reused
+    when other parameters have a gradient)."""
+    import math
+
+    import gradscope
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.fc = torch.nn.LayerNorm(16), torch.nn.Linear(16, 16)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.fc(self.ln(x))
+
+    class Branchy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(Block() for _ in range(2))
+            self.a, self.b, self.c = torch.nn.Linear(16, 4), torch.nn.Linear(16, 6), torch.nn.Linear(16, 4)
+
+        def forward(self, x: torch.Tensor, heads: str) -> torch.Tensor:
+            for block in self.blocks:
+                x = block(x)
+            return torch.cat([getattr(self, h)(x) for h in heads], -1)
+
+    torch.manual_seed(0)
+    model, x = Branchy(), torch.randn(5, 16)
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm"])
+    want = {}
+    for step, heads in enumerate(["ab", "bc", "ab"]):
+        model.zero_grad(set_to_none=True)
+        with rec.step(step):
+            model(x, heads).square().mean().backward()
+        want[step] = {h: math.sqrt(sum(p.grad.double().square().sum().item() for p in getattr(model, h).parameters()))
+                      for h in heads}
+    df = rec.frame()
+    rec.close()
+    for step, heads in want.items():
+        got = df[(df.step == step) & (df.quantity == "param_grad_norm")].set_index("site").value
+        for h, norm in heads.items():
+            assert got[h] == pytest.approx(norm, rel=1e-6), (step, h)

@@ -52,7 +52,8 @@ class ParamGroups:
         self.populated = (self._membership_np.sum(axis=1) > 0).tolist()  # per group: has a parameter
         self._on: dict[torch.device, torch.Tensor] = {}
         self._keys: dict[str, list[Key]] = {}
-        self._plan: sqnorm.SquaredNormPlan | None = None  # the plan of the parameters' gradients (squared_norms)
+        # the plan of the parameters' gradients, and which parameters had none (squared_norms)
+        self._plan: tuple[sqnorm.SquaredNormPlan | None, list[int] | None] = (None, None)
 
     def keys(self, quantity: str) -> list[Key]:
         """Row keys of ``quantity`` for every group, in ``self.groups`` order (made once per quantity)."""
@@ -115,11 +116,14 @@ class ParamGroups:
         if not present:
             return None
         sharded = not set(map(type, present)) <= _PLAIN and any(is_dtensor(t) for t in present)
-        plan = self._plan  # (the plan the gradients took last: their shapes are the parameters')
-        stacked = plan.if_joined(present) if plan is not None and not sharded else None
+        missing = None if len(present) == len(tensors) else [i for i, t in enumerate(tensors) if t is None]
+        # the plan the gradients took last, if the same parameters have one now (a plan reads
+        # the tensors by their place in ``present``, and their shapes are the parameters')
+        plan, planned_missing = self._plan
+        stacked = plan.if_joined(present) if plan is not None and missing == planned_missing and not sharded else None
         if stacked is None:
             stacked = sqnorm.fp64_squared_norms([local(t) for t in present] if sharded else present)
-            self._plan = None if sharded else sqnorm.plan_for(present)
+            self._plan = (None if sharded else sqnorm.plan_for(present), missing)
         stacked = stacked.float()
         device = stacked.device
         if len(present) == len(tensors):

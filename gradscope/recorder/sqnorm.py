@@ -186,13 +186,14 @@ class SquaredNormPlan:
         return out
 
     def if_joined(self, tensors: list[torch.Tensor]) -> torch.Tensor | None:
-        """:meth:`__call__` for a list whose shapes are known not to have changed but for a
-        tensor reshaped since (the gradients of the same parameters, step after step): each
-        group's concatenation is checked for the shape it had (a tensor of another trailing
-        shape, or a group with other rows in total, gives None) instead of every tensor's
-        shape (≈ 0.3 µs a tensor whose metadata has left the CPU's caches). Only two
-        tensors of one group whose leading dimensions changed by opposite amounts would
-        pass unseen, which a model's parameters do not do."""
+        """:meth:`__call__` for a list of the same tensors' successors in the same places,
+        whose shapes can only have changed by a tensor reshaped since (the gradients of the
+        same parameters, step after step, with the same ones missing: the caller's to
+        ensure): each group's concatenation is checked for the shape it had (a tensor of
+        another trailing shape, or a group with other rows in total, gives None) instead of
+        every tensor's shape (≈ 0.3 µs a tensor whose metadata has left the CPU's caches).
+        Only two tensors of one group whose leading dimensions changed by opposite amounts
+        would pass unseen, which a model's parameters do not do."""
         if len(tensors) != self.n or tensors[0].device != self.device:
             return None
         with torch.no_grad():
