@@ -181,3 +181,36 @@ def test_a_second_recorders_step_inside_the_first_leaves_the_first_its_carried_h
     got = _frame(a)
     assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
     assert got["act_grad_norm", "blocks.0.out"] == pytest.approx(want["h0_grad"], rel=1e-5)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_recorder_dropped_after_its_forward_gives_the_model_back(compiled):
+    """A Recorder dropped inside a step after its forward (the graph still holds its taps):
+    once it is collected its hooks are disarmed, every module has its own class and empty
+    hook dicts, backward runs, and a new Recorder records as before (compiled too, where the
+    modules left armed made its first step fail)."""
+    torch.manual_seed(8)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    own = [type(m) for m in model.modules()]
+    want = _reference(model, x)
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    rec = gradscope.Recorder(model)
+    with rec.step(0):
+        run(x).square().mean().backward()
+    rec.begin_step(1)
+    loss = run(x).square().mean()
+    del rec
+    gc.collect()
+    loss.backward()
+    del loss
+    gc.collect()
+    assert [type(m) for m in model.modules()] == own
+    assert not any(d for m in model.modules() for d in (m._forward_hooks, m._forward_pre_hooks))
+    model.zero_grad(set_to_none=True)
+    rec = gradscope.Recorder(model)
+    with rec.step(2):
+        run(x).square().mean().backward()
+    rec.close()
+    got = _frame(rec)
+    assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
+    assert got["act_grad_norm", "blocks.0.out"] == pytest.approx(want["h0_grad"], rel=1e-5)

@@ -30,6 +30,8 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 
 from __future__ import annotations
 
+import weakref
+from functools import partial
 
 import torch
 from torch import nn
@@ -167,6 +169,13 @@ class Capture:
         self.eager.reset_backward()
         self.eager.forget()
 
+    def dropped(self) -> None:
+        """Its Recorder was collected without ``close()``: the hooks are disarmed (an open
+        step's too; what the step kept, as retained aliases holding its graph, goes) and
+        read no more."""
+        self.discard()
+        forget(self.key)
+
     def remove(self) -> None:
         """Removes every hook and lets the buffers go."""
         self.discard()
@@ -187,8 +196,11 @@ class Capture:
         if self.device != device or self.collector is None:
             self.device = device
             self.collector = torch.zeros(self.n_collector, device=device, requires_grad=True)
-            # (eager Taps hand the collector no gradient, yet its hook still runs once per backward)
-            self.collector.register_post_accumulate_grad_hook(lambda c: None if c.grad is None else self.snapshot())
+            # (eager Taps hand the collector no gradient, yet its hook still runs once per backward;
+            # it holds this Capture weakly: autograd keeps the hook from C++, where a strong
+            # reference back to the collector's owner would be a cycle no collection finds, and
+            # a Recorder dropped inside a step would leave its modules armed for good)
+            self.collector.register_post_accumulate_grad_hook(partial(_collector_filled, weakref.ref(self)))
             self.fwd = torch.zeros(self.n_slots, self.width, device=device)
             self._indices = [None, None]
             self.cosine.forget()
@@ -365,6 +377,14 @@ class Capture:
         gain_w, is_ln, eps, dims = gain
         tapped = w.norm_tap(y, x, point * self.K + c, kind, gain_w, is_ln, eps, dims)
         return replace_first(output, tapped)
+
+
+def _collector_filled(capture: weakref.ref, collector: torch.Tensor) -> None:
+    """The collector's gradient arrived (a backward ended): the capture, if it is still
+    there, takes a snapshot."""
+    cap = capture()
+    if cap is not None and collector.grad is not None:
+        cap.snapshot()
 
 
 def _joined(slots: list[int], sq: torch.Tensor | None, pending: list[tuple[int, torch.Tensor]]

@@ -109,12 +109,16 @@ class EagerGrads:
             return
         t.retain_grad()
         if slot <= self._last_retained:  # a new forward pass (or a shared module's next call)
-            t.grad_fn.register_prehook(partial(self._wake, self._epoch))
+            # (the hook holds this object weakly: it kept the alias, whose node keeps the hook
+            # from C++, a cycle no collection finds if the step never ends: a Recorder dropped)
+            t.grad_fn.register_prehook(partial(_wake, weakref.ref(self), self._epoch))
         self._last_retained = slot
         self._retained_slots.append(slot)
         self._retained.append(t)
 
-    def _wake(self, epoch: int, grads: tuple) -> None:
+    def wake(self, epoch: int) -> None:
+        """Backward reached the first retained alias of a forward pass: the kept gradients are
+        read when it ends."""
         if not self._queued and epoch == self._epoch and self._is_on():
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
@@ -188,6 +192,12 @@ class EagerGrads:
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
+
+def _wake(grads_ref: weakref.ref, epoch: int, grads: tuple) -> None:
+    eager = grads_ref()
+    if eager is not None:
+        eager.wake(epoch)
 
 
 _grad = operator.attrgetter("grad")

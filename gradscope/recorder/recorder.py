@@ -36,7 +36,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradscope.recorder.capture import Capture, forget
+from gradscope.recorder.capture import Capture
 from gradscope.recorder.checks import StepChecks
 from gradscope.recorder.context import StepContext
 from gradscope.recorder.finish import SCALE, host_marks, step_rows
@@ -173,7 +173,7 @@ class Recorder(RecordedTable):
         self._replay = SpikeReplay(self, model, watch, self._grad_scale) if watch is not None else None
         DynamoSettings.acquire(len(self._capture.hooks.modules))  # compiled: checkpointing, blocks compiled one by one
         self._release_settings = weakref.finalize(self, DynamoSettings.release)  # by close(), or when collected
-        weakref.finalize(self, forget, self._capture.key)
+        weakref.finalize(self, self._capture.dropped)  # (a Recorder collected inside a step disarms its hooks)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Measures ``update_ratio`` around ``optimizer.step()`` (hooks removed by ``close``).
