@@ -61,7 +61,6 @@ class HookSet:
 
     def __init__(self, armed: bool = True, root: nn.Module | None = None) -> None:
         self._handles: list[RemovableHandle] = []
-        self._entries: list[tuple[dict, dict, int, Callable, int]] = []  # (hooks dict, with_kwargs dict, id, hook, module)
         self.armed = armed
         self._root = root
         self._modules: list[nn.Module] = []  # the hooked modules, once each (their class is swapped while armed)
@@ -70,7 +69,7 @@ class HookSet:
         self._tagged: list[tuple[list, list] | None] = []  # per module: its (function, tag) pre- and forward hooks; None: not carried
         self._twins: list[type | None] = []  # per module: its carrying class, made at its first carried arming
         self._carried: list[bool] = []  # per module: carried by its class in the open arming
-        self._own_entries: list[list[tuple[dict, dict, int, Callable]]] = []  # per module: its entries of _entries
+        self._entries: list[list[tuple[dict, dict, int, Callable]]] = []  # per module: (hooks dict, with_kwargs dict, id, hook)
         # (shared with the finalizer and the registry of armed sets: whether the set is armed,
         # and whether its modules are counted in _ARMS in the open arming)
         self._live = [armed, False]
@@ -107,7 +106,7 @@ class HookSet:
             self._tagged.append(None if module is self._root else ([], []))
             self._twins.append(None)
             self._carried.append(False)
-            self._own_entries.append([])
+            self._entries.append([])
         if tagged is None:
             self._tagged[k] = None  # (a hook without a tag: the module keeps its hook dicts)
         elif self._tagged[k] is not None:
@@ -115,8 +114,7 @@ class HookSet:
         self._forget_twin(k)
         self._handles.append(handle)
         _OURS.add(handle.id)
-        self._entries.append((hooks, with_kwargs, handle.id, hook, k))
-        self._own_entries[k].append((hooks, with_kwargs, handle.id, hook))
+        self._entries[k].append((hooks, with_kwargs, handle.id, hook))
         del hooks[handle.id], with_kwargs[handle.id]
         if armed:
             self.arm()
@@ -127,8 +125,8 @@ class HookSet:
         return self._modules
 
     def functions(self) -> list[Callable]:
-        """The hook functions, in registration order."""
-        return [hook for _, _, _, hook, _ in self._entries]
+        """The hook functions, module by module (each module's in registration order)."""
+        return [hook for entries in self._entries for _, _, _, hook in entries]
 
     def run_eagerly_as_frames_of_their_own(self) -> None:
         """Dynamo runs the hook functions eagerly where it meets them as frames of their own.
@@ -172,7 +170,7 @@ class HookSet:
         quiet = not (_GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3])
         carried, original = self._carried, _ORIGINAL
         for k, m, tagged, twin, entries in zip(itertools.count(), self._modules, self._tagged, self._twins,
-                                               self._own_entries):
+                                               self._entries):
             cls = type(m)
             carry = carried[k] = quiet and tagged is not None and _carriable(m.__dict__, cls)
             if carry:
@@ -209,7 +207,7 @@ class HookSet:
         something gave it another class since); ``arm`` puts them back."""
         if not self.armed:
             return
-        for carry, entries in zip(self._carried, self._own_entries):
+        for carry, entries in zip(self._carried, self._entries):
             if not carry:
                 for hooks, with_kwargs, i, _ in entries:
                     hooks.pop(i, None)
@@ -221,13 +219,12 @@ class HookSet:
         """Removes every hook for good (through its handle); every module has its own class."""
         self.disarm()
         _forget_twins(self._twins)
-        for kept in (self._modules, self._refs, self._index, self._tagged, self._twins, self._carried, self._own_entries):
+        for kept in (self._modules, self._refs, self._index, self._tagged, self._twins, self._carried, self._entries):
             kept.clear()
         for h in self._handles:
             _OURS.discard(h.id)
             h.remove()
         self._handles.clear()
-        self._entries.clear()
 
 
 _SET_CLASS = object.__setattr__  # (not nn.Module.__setattr__, which looks through the module's dicts first)
