@@ -40,14 +40,23 @@ class TracedWriter:
         return self.capture.next_call(i), False
 
     def mark(self, slot: int, order: float) -> None:
-        self.capture.fwd[slot, 0] = order
+        fwd = self.capture.fwd
+        self._write(slot, 0, torch.full((1,), order, device=fwd.device))
 
     def put(self, slot: int, channel: int, value: torch.Tensor) -> None:
-        self.capture.fwd[slot, channel] = value
+        self._write(slot, channel, value.reshape(1))
 
     def value(self, slot: int, t: torch.Tensor) -> None:
         """‖t‖ into the value channel."""
-        self.capture.fwd[slot, 1] = squared_norm(t).sqrt()
+        self._write(slot, 1, squared_norm(t).sqrt().reshape(1))
+
+    def _write(self, slot: int, channel: int, value: torch.Tensor) -> None:
+        """``fwd[slot, channel] = value`` as ``index_put_``: Inductor writes that one element,
+        where the indexing assignment became a pass over the whole (n_slots × width) buffer
+        for every write (≈300 per forward: 0.3 ms of a d=16 compiled forward's host time)."""
+        fwd = self.capture.fwd
+        fwd.index_put_((torch.full((1,), slot, device=fwd.device), torch.full((1,), channel, device=fwd.device)),
+                       value.to(fwd.dtype))
 
     def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor:
         """The tapped value whose backward writes ‖grad‖² (and user statistics) into the collector."""
