@@ -97,6 +97,7 @@ class Capture:
         self.device: torch.device | None = None
         self.collector: torch.Tensor | None = None
         self.fwd: torch.Tensor | None = None  # (n_slots, width): [±order (negative: not tapped), value, misfit, user...]
+        self._no_grads: torch.Tensor | None = None  # the collector's gradient of a backward that gave it none: zeros
         self._indices: list[tuple[list[int], torch.Tensor] | None] = [None, None]  # (slots, on the device): Capture._index
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
         # per snapshot: (collector gradient, forward buffer, host marks, (every tap's arrival, slots that arrived))
@@ -181,7 +182,7 @@ class Capture:
         self.discard()
         self.hooks.remove()
         self.signals.remove()
-        self.collector = self.fwd = None
+        self.collector = self.fwd = self._no_grads = None
         forget(self.key)
 
     # -- per recorded step ----------------------------------------------------------------
@@ -202,6 +203,7 @@ class Capture:
             # a Recorder dropped inside a step would leave its modules armed for good)
             self.collector.register_post_accumulate_grad_hook(partial(_collector_filled, weakref.ref(self)))
             self.fwd = torch.zeros(self.n_slots, self.width, device=device)
+            self._no_grads = torch.zeros(self.n_collector, device=device)
             self._indices = [None, None]
             self.cosine.forget()
         self.collector.grad = None
@@ -252,8 +254,8 @@ class Capture:
         # gradient) materialises zeros for sites it did not reach and cannot tell them, so it
         # marks every slot REACHED_IF_TAPPED
         every = 0 if grads is None else REACHED_IF_TAPPED
-        if grads is None:
-            grads = torch.zeros(self.n_collector, device=self.device)
+        if grads is None:  # (eagerly, always: one zero vector serves, as nothing writes into it)
+            grads = self._no_grads
         self.collector.grad = None
         arrived, sq = self.eager.take()
         reached = (every, list(arrived))
@@ -267,7 +269,7 @@ class Capture:
             fwd.index_put_((rows, cols), torch.stack([v.float() for _, _, v in self.pending_fwd]))
         slots, sq = _joined(*self.values.take(), self.pending_sq)
         if slots:
-            fwd[self._index(slots, 1), 1] = sq.to(self.device).sqrt()
+            fwd.view(-1).index_copy_(0, self._index(slots, 1), sq.to(self.device).sqrt())
         self.snapshots.append((grads, fwd, self.marks, reached))  # (the marks list is this snapshot's from now)
         self.fwd.zero_()
         self.marks = [0.0] * self.n_slots
@@ -278,11 +280,13 @@ class Capture:
         self.value_sq.clear()  # (recompute counts run on: reentrant checkpointing's inner backwards end here too)
 
     def _index(self, slots: list[int], which: int) -> torch.Tensor:
-        """``torch.tensor(slots)`` on the device, reused while the slots come in the same order
-        (they do, step after step): gradients (``which`` 0) and values (1) keep one each."""
+        """The indices of ``slots`` on the device, reused while the slots come in the same order
+        (they do, step after step): of the collector's gradient (``which`` 0), and of the value
+        channel of the flattened forward buffer (1)."""
         cached = self._indices[which]
         if cached is None or cached[0] != slots:
-            cached = self._indices[which] = (list(slots), torch.tensor(slots, device=self.device))
+            at = torch.tensor(slots, device=self.device)
+            cached = self._indices[which] = (list(slots), at if which == 0 else at * self.width + 1)
         return cached[1]
 
     def writer(self) -> EagerWriter | TracedWriter:

@@ -267,6 +267,7 @@ class NormBatch:
 
     def __init__(self, limit: int = 1 << 22) -> None:
         self.limit = limit
+        self._stackable = True  # until tensors of several shapes came: then fp64_squared_norms
         self._long = Reused()
         self.clear()
 
@@ -320,7 +321,11 @@ class NormBatch:
             raise RuntimeError(f"gradscope: {len(changed)} site tensor(s) of shape {tuple(changed[0].shape)} were modified "
                                "in place after the site and before their norm was taken; the model's "
                                "site_outputs_never_modified_in_place promise does not hold (remove it)")
-        self._done.append((self._slots, fp64_squared_norms(tensors)))
+        sq = _stacked_squared_norms(tensors) if self._stackable else None
+        if sq is None:  # (tensors of several shapes: so they stay, as a model's sites keep theirs)
+            self._stackable = False
+            sq = fp64_squared_norms(tensors)
+        self._done.append((self._slots, sq))
         self._slots, self._tensors, self._versions, self._elements = [], [], [], 0
 
     def take(self) -> tuple[list[int], torch.Tensor | None]:
@@ -333,6 +338,19 @@ class NormBatch:
         slots = done[0][0] if len(done) == 1 else [s for part, _ in done for s in part]
         sq = done[0][1] if len(done) == 1 else torch.cat([v.to(done[0][1].device) for _, v in done])
         return slots, sq.float()
+
+
+def _stacked_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """:func:`fp64_squared_norms` of short strided tensors of one shape (a :class:`NormBatch`'s),
+    stacked without reading their shapes first: ``torch.stack`` checks them itself (reading
+    150 shapes that have left the CPU's caches cost half as much as the stack). None if the
+    shapes (or devices) differ."""
+    with torch.no_grad():
+        try:
+            stacked = torch.stack(tensors)
+        except RuntimeError:
+            return None
+        return torch.linalg.vector_norm(stacked.reshape(len(tensors), -1), dim=1, dtype=torch.float64).square()
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
