@@ -99,6 +99,34 @@ def test_a_users_hook_added_inside_the_step_sees_the_recorded_output():
     assert got["act_norm", "blocks.0.out"] == pytest.approx(want["h0"], rel=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_users_pre_hook_added_between_two_steps_runs_after_ours(compiled):
+    """blocks.1 is carried in step 0; a user's pre-hook that doubles its input, registered
+    after step 0 (after the recorder's own), must run after the recorder's input hook in
+    step 1, as the dicts order them: the module keeps its hook dicts, and blocks.1.in is the
+    undoubled value. (Arming skips re-reading the hook dicts of a module it carried only
+    while no hook was registered anywhere since.)"""
+    torch.manual_seed(4)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    want = _reference(model, x)
+    rec = gradscope.Recorder(model)
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    seen = []
+    for step in range(2):
+        if step == 1:
+            handle = model.blocks[1].register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+        with rec.step(step):
+            seen.append(is_carrying(type(model.blocks[1])))
+            run(x).square().mean().backward()
+    handle.remove()
+    rec.close()
+    df = rec.frame()
+    got = df[(df.quantity == "act_norm") & (df.site == "blocks.1.in")].set_index("step").value
+    assert seen == [True, False]
+    assert got[0] == pytest.approx(want["h0"], rel=1e-5)
+    assert got[1] == pytest.approx(want["h0"], rel=1e-5)
+
+
 def _two_armed(seed: int):
     """(model, x, its classes, autograd reference, a, b) with a's step and then b's begun."""
     torch.manual_seed(seed)

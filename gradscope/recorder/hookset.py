@@ -73,6 +73,7 @@ class HookSet:
         # (shared with the finalizer and the registry of armed sets: whether the set is armed,
         # and whether its modules are counted in _ARMS in the open arming)
         self._live = [armed, False]
+        self._stamp = -1  # RemovableHandle.next_id when the set last armed (see arm)
         weakref.finalize(self, _dropped, self._live, self._refs, self._twins)  # (a set dropped without remove())
 
     def forward(self, module: nn.Module, hook: Callable, tagged: tuple[Callable, int] | None = None) -> None:
@@ -158,7 +159,9 @@ class HookSet:
         One pass over the modules, touching each module's state once: on a GPU the step's
         host work is the cost, and between two recorded steps these objects have left the
         CPU's caches. Modules are counted in ``_ARMS`` (:func:`_count`) only while another
-        HookSet is armed too."""
+        HookSet is armed too, and a module carried in the last arming has its four hook dicts
+        read again only if a hook was registered anywhere since (every registration takes a
+        ``RemovableHandle`` id)."""
         if self.armed:
             return
         live = self._live
@@ -168,11 +171,20 @@ class HookSet:
                 _count(refs)
                 other[1] = True
         quiet = not (_GLOBAL_HOOKS[0] or _GLOBAL_HOOKS[1] or _GLOBAL_HOOKS[2] or _GLOBAL_HOOKS[3])
+        # No hook registered anywhere since the last arming (every registration takes a handle id):
+        # a module carried then has no hook of anyone else's now, and its four hook dicts,
+        # which have left the CPU's caches, are not read again
+        same, self._stamp = RemovableHandle.next_id == self._stamp, RemovableHandle.next_id
         carried, original = self._carried, _ORIGINAL
         for k, m, tagged, twin, entries in zip(itertools.count(), self._modules, self._tagged, self._twins,
                                                self._entries):
             cls = type(m)
-            carry = carried[k] = quiet and tagged is not None and _carriable(m.__dict__, cls)
+            if quiet and tagged is not None and same and carried[k]:
+                state = m.__dict__
+                carry = not (cls in original or "forward" in state or state.get("_compiled_call_impl") is not None)
+            else:
+                carry = quiet and tagged is not None and _carriable(m.__dict__, cls)
+            carried[k] = carry
             if carry:
                 _SET_CLASS(m, "__class__", twin if twin is not None and twin.__base__ is cls else self._twin(k))
                 continue
