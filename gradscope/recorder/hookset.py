@@ -45,7 +45,7 @@ from torch import nn
 from torch.nn.modules import module as _module
 from torch.utils.hooks import RemovableHandle
 
-from gradscope.recorder.carrying import carrying_class, release
+from gradscope.recorder.carrying import carrying_class, is_carrying, release
 
 
 class HookSet:
@@ -196,7 +196,7 @@ class HookSet:
                     hooks.update(later)
                 else:
                     hooks[i] = hook
-            _SET_CLASS(m, "__class__", cls if cls in original else _ARMED.get(cls) or armed_class(cls))
+            _SET_CLASS(m, "__class__", _with_dicts(cls))
         live[1] = bool(others)
         if others:
             _count(self._refs)
@@ -242,6 +242,7 @@ class HookSet:
 _SET_CLASS = object.__setattr__  # (not nn.Module.__setattr__, which looks through the module's dicts first)
 _ARMED: dict[type, type] = {}  # a module class -> its armed twin
 _ORIGINAL: dict[type, type] = {}  # an armed twin or a carrying class in use -> the class it stands for
+_OVER: dict[type, type] = {}  # a carrying class in use -> its subclass for a module another HookSet fills the dicts of
 _ARMS: dict[int, tuple[weakref.ref, int]] = {}  # id(module) -> (module, how many armed HookSets hold it), while two are armed
 _ARMED_SETS: dict[int, tuple[list, list[weakref.ref]]] = {}  # id(live) -> (live, refs) of every armed HookSet
 _GLOBAL_HOOKS = (_module._global_forward_hooks, _module._global_forward_pre_hooks, _module._global_backward_hooks,
@@ -279,11 +280,14 @@ def _disarm_classes(modules: list[nn.Module], refs: list[weakref.ref], twins: li
     for m, ref, twin in zip(modules, refs, twins):
         held = _ARMS.pop(id(m), None)
         left = held[1] - 1 if held is not None and (held[0] is ref or held[0]() is m) else 0
-        base = _ORIGINAL.get(type(m))
+        cls = type(m)
+        base = _ORIGINAL.get(cls)
         if left > 0:
             _ARMS[id(m)] = (held[0], left)
-            if twin is not None and type(m) is twin:
+            if twin is not None and (cls is twin or cls.__base__ is twin):  # carried by this set: the other's are in the dicts
                 _SET_CLASS(m, "__class__", armed_class(base))
+            elif _OVER.get(cls.__base__) is cls:  # this set's hooks were in the dicts over the other's carrying class
+                _SET_CLASS(m, "__class__", cls.__base__)
         elif base is not None:
             _SET_CLASS(m, "__class__", base)
 
@@ -294,6 +298,7 @@ def _forget_twins(twins: list[type | None], k: int | None = None) -> None:
         twin, twins[j] = twins[j], None
         if twin is not None:
             _ORIGINAL.pop(twin, None)
+            _ORIGINAL.pop(_OVER.pop(twin, None), None)
             release(twin)
 
 
@@ -321,6 +326,23 @@ def own_class(module: nn.Module) -> type:
     """A module's own class, also while it is armed (not its armed twin or carrying class)."""
     cls = type(module)
     return _ORIGINAL.get(cls, cls)
+
+
+def _with_dicts(cls: type) -> type:
+    """The class of an armed module whose hooks are in its dicts: its armed twin; over
+    another HookSet's carrying class, a subclass of that class (one per carrying class), so
+    that Dynamo's type guard tells it from the module carried alone (Dynamo guards no hook
+    dicts: the graph traced for the other set alone would run without this set's hooks)."""
+    if cls not in _ORIGINAL:
+        return _ARMED.get(cls) or armed_class(cls)
+    if not is_carrying(cls):
+        return cls
+    over = _OVER.get(cls)
+    if over is None:
+        over = _OVER[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                                        "__reduce_ex__": _reduce_as_original})
+        _ORIGINAL[over] = _ORIGINAL[cls]
+    return over
 
 
 def armed_class(cls: type) -> type:
