@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from gradscope.recorder.capture import Capture
 
 
-
 class TracedWriter:
     """Writes of a hook traced by Dynamo: all on the device, inside the graph."""
 
