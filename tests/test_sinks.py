@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import struct
+import time
 from pathlib import Path
 
 import numpy as np
@@ -152,6 +153,18 @@ def _keys(frame):
     return zip(frame.micro_step, frame["stack"], opt("layer"), frame.site, frame.quantity, opt("layer_j"), frame.role)
 
 
+def _wandb_history_written(run_dir: Path, rows: int, timeout: float = 60.0) -> list[dict]:
+    """The history rows of an offline W&B run once ``rows`` of them are in its file: W&B's
+    service process writes the file, and on a loaded machine (the suite's other worker
+    compiling) ``run.finish()`` has returned before the rows were there."""
+    deadline = time.monotonic() + timeout
+    history = _wandb_history(run_dir)
+    while len(history) < rows and time.monotonic() < deadline:
+        time.sleep(0.2)
+        history = _wandb_history(run_dir)
+    return history
+
+
 def _wandb_history(run_dir: Path) -> list[dict]:
     """The history rows of an offline W&B run, read from its ``.wandb`` file (a LevelDB-style
     log of ``Record`` protobufs in 32 KiB blocks, after a 7-byte header)."""
@@ -194,7 +207,7 @@ def test_wandb_sink_offline_reads_back_equal_to_the_frame(tmp_path, monkeypatch)
     finally:
         run.finish()
     frame = rec.frame()
-    history = _wandb_history(next((tmp_path / "wandb").glob("offline-run-*")))
+    history = _wandb_history_written(next((tmp_path / "wandb").glob("offline-run-*")), rows=3)
     assert [h["gradscope/step"] for h in history] == [0, 1, 2]  # one row per recorded step, loss included
     assert [h["_step"] for h in history] == [0, 1, 2]  # at the tracker's own step
     got = {(name, h["gradscope/step"]): v for h in history for name, v in h.items() if not name.startswith(("_", "gradscope/"))}
