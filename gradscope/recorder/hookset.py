@@ -151,7 +151,7 @@ class HookSet:
 
     def arm(self) -> None:
         """Puts every hook in place. A module whose hooks are all tagged and that has no
-        other hooks (:func:`_carriable`) gets its carrying class, whose ``forward`` runs
+        other hooks (:func:`_carriable_class`, :func:`_no_hooks`) gets its carrying class, whose ``forward`` runs
         them; any other module gets its hooks back into its hook dicts, before the hooks
         registered after them (handle ids grow with registration), so a user's hook added
         later still sees our output, and its armed twin class.
@@ -175,16 +175,13 @@ class HookSet:
         # a module carried then has no hook of anyone else's now, and its four hook dicts,
         # which have left the CPU's caches, are not read again
         same, self._stamp = RemovableHandle.next_id == self._stamp, RemovableHandle.next_id
-        carried, original = self._carried, _ORIGINAL
+        carried = self._carried
         for k, m, tagged, twin, entries in zip(itertools.count(), self._modules, self._tagged, self._twins,
                                                self._entries):
             cls = type(m)
-            if quiet and tagged is not None and same and carried[k]:
-                state = m.__dict__
-                carry = not (cls in original or "forward" in state or state.get("_compiled_call_impl") is not None)
-            else:
-                carry = quiet and tagged is not None and _carriable(m.__dict__, cls)
-            carried[k] = carry
+            state = m.__dict__
+            carry = carried[k] = (quiet and tagged is not None and _carriable_class(state, cls)
+                                  and ((same and carried[k]) or _no_hooks(state)))
             if carry:
                 _SET_CLASS(m, "__class__", twin if twin is not None and twin.__base__ is cls else self._twin(k))
                 continue
@@ -312,14 +309,19 @@ def _dropped(live: list[bool], refs: list[weakref.ref], twins: list[type | None]
     _forget_twins(twins)
 
 
-def _carriable(state: dict, cls: type) -> bool:
-    """Whether a module (``state``: its ``__dict__``) may have its hooks carried by its
-    class: it has no hooks of anyone else's (they would run in another order around ours),
-    is no twin (another armed HookSet holds it), has no ``forward`` of its own instance and
-    is not compiled by ``Module.compile`` (whose hooks run outside its compiled frame)."""
+def _carriable_class(state: dict, cls: type) -> bool:
+    """Whether a module (``state``: its ``__dict__``) of class ``cls`` may have its hooks
+    carried by its class, hooks aside (:func:`_no_hooks`): it is no twin (another armed
+    HookSet holds it), has no ``forward`` of its own instance and is not compiled by
+    ``Module.compile`` (whose hooks run outside its compiled frame)."""
+    return not (cls in _ORIGINAL or "forward" in state or state.get("_compiled_call_impl") is not None)
+
+
+def _no_hooks(state: dict) -> bool:
+    """Whether a module (``state``: its ``__dict__``) has no hooks of anyone else's, which
+    would run in another order around ours were ours carried by its class."""
     return not (state["_forward_hooks"] or state["_forward_pre_hooks"] or state["_backward_hooks"]
-                or state["_backward_pre_hooks"] or cls in _ORIGINAL or "forward" in state
-                or state.get("_compiled_call_impl") is not None)
+                or state["_backward_pre_hooks"])
 
 
 def own_class(module: nn.Module) -> type:
@@ -339,8 +341,7 @@ def _with_dicts(cls: type) -> type:
         return cls
     over = _OVER.get(cls)
     if over is None:
-        over = _OVER[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                        "__reduce_ex__": _reduce_as_original})
+        over = _OVER[cls] = _stand_in(cls)
         _ORIGINAL[over] = _ORIGINAL[cls]
     return over
 
@@ -355,10 +356,16 @@ def armed_class(cls: type) -> type:
         return cls
     twin = _ARMED.get(cls)
     if twin is None:
-        twin = _ARMED[cls] = type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
-                                                         "__reduce_ex__": _reduce_as_original})
+        twin = _ARMED[cls] = _stand_in(cls)
         _ORIGINAL[twin] = cls
     return twin
+
+
+def _stand_in(cls: type) -> type:
+    """A subclass of ``cls`` that adds nothing but its own identity for Dynamo's type guard
+    (same name, qualified name and module) and pickles as the module's own class."""
+    return type(cls.__name__, (cls,), {"__module__": cls.__module__, "__qualname__": cls.__qualname__,
+                                       "__reduce_ex__": _reduce_as_original})
 
 
 _HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs")

@@ -117,8 +117,9 @@ def fp64_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor:
     n = len(tensors)
     with torch.no_grad():
         if shapes.count(shapes[0]) == n and dtypes.count(dtypes[0]) == n and 0 < tensors[0].numel() < DENSE_MIN:
-            stacked = torch.stack(tensors).reshape(n, -1)
-            return torch.linalg.vector_norm(stacked, dim=1, dtype=torch.float64).square()
+            stacked = _stacked_squared_norms(tensors)
+            if stacked is not None:  # (else tensors on several devices: the plan groups them by device)
+                return stacked
         key = (tuple(shapes), tuple(dtypes), tensors[0].device)
         plan = _PLANS.get(key)
         if plan is None:
@@ -341,10 +342,10 @@ class NormBatch:
 
 
 def _stacked_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """:func:`fp64_squared_norms` of short strided tensors of one shape (a :class:`NormBatch`'s),
-    stacked without reading their shapes first: ``torch.stack`` checks them itself (reading
-    150 shapes that have left the CPU's caches cost half as much as the stack). None if the
-    shapes (or devices) differ."""
+    """fp64 ‖t‖² of short strided tensors of one shape, in one stack and one fp64 reduction
+    (exact squares and sums). A :class:`NormBatch` calls it without reading the shapes
+    first, as ``torch.stack`` checks them itself (reading 150 shapes that have left the
+    CPU's caches cost half as much as the stack). None if the shapes (or devices) differ."""
     with torch.no_grad():
         try:
             stacked = torch.stack(tensors)
