@@ -31,6 +31,7 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 from __future__ import annotations
 
 import weakref
+from array import array
 from functools import partial
 
 import torch
@@ -101,9 +102,12 @@ class Capture:
         self._indices: list[tuple[list[int], torch.Tensor] | None] = [None, None]  # (slots, on the device): Capture._index
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
         # per snapshot: (collector gradient, forward buffer, host marks, (every tap's arrival, slots that arrived))
-        self.snapshots: list[tuple[torch.Tensor, torch.Tensor, list[float], tuple[int, list[int]]]] = []
-        # eager fast path: marks on the host, values and gradient norms gathered per micro-step
-        self.marks = [0.0] * self.n_slots  # a list: setting an item costs a tenth of a numpy array's
+        self.snapshots: list[tuple[torch.Tensor, torch.Tensor, array, tuple[int, list[int]]]] = []
+        # eager fast path: marks on the host, values and gradient norms gathered per micro-step. An
+        # array of doubles: setting an item costs a third of a numpy array's (25 against 80 ns), and
+        # numpy reads it without a copy when the rows are built (a list took 40 µs a snapshot)
+        self._no_marks = bytes(8 * self.n_slots)
+        self.marks = array("d", self._no_marks)
         self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
         self.pending_sq: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖h‖²): site values, eagerly
         self.value_sq = Reused()  # eagerly, ‖h‖² once for a value two sites receive in a row
@@ -208,7 +212,7 @@ class Capture:
             self.cosine.forget()
         self.collector.grad = None
         self.fwd.zero_()
-        self.marks = [0.0] * self.n_slots
+        self.marks = array("d", self._no_marks)
         self.discard()
         self.want_value, self.want_wsig, self.want_cosine = value, wsig, cosine
         self.stats_now = stats and bool(self.value_stats or self.grad_stats)
@@ -270,9 +274,9 @@ class Capture:
         slots, sq = _joined(*self.values.take(), self.pending_sq)
         if slots:
             fwd.view(-1).index_copy_(0, self._index(slots, 1), sq.to(self.device).sqrt())
-        self.snapshots.append((grads, fwd, self.marks, reached))  # (the marks list is this snapshot's from now)
+        self.snapshots.append((grads, fwd, self.marks, reached))  # (the marks array is this snapshot's from now)
         self.fwd.zero_()
-        self.marks = [0.0] * self.n_slots
+        self.marks = array("d", self._no_marks)
         self.pending_fwd.clear()
         self.pending_sq.clear()
         self.eager.reset_backward()

@@ -59,6 +59,7 @@ class StepChecks:
         self.ever_seen = False  # any hook fired in a recorded step
         self.last_recorded: int | None = None  # the highest step recorded so far
         self._grad_versions: list | None = None
+        self._sites_said: tuple | None = None  # the slot sites of the last step checked for silent sites
 
     def warn_once(self, topic: str, message: str) -> None:
         """Warns ``gradscope: <message>`` at the user's line the first time ``topic`` comes up."""
@@ -99,17 +100,16 @@ class StepChecks:
                            "stopped before every site (under torch.compile: any backward given inputs=) is not seen, "
                            "so the step's gradient rows leave it out and its micro-step merges with the next. Not "
                            "reported again.")
-        seen = {p.name for p, c, _, _ in data.slot_sites() if c == 0}
-        if not seen:
-            if not self.ever_seen and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
-                raise RuntimeError(NO_HOOK_FIRED)
-            return
-        self.ever_seen = True
-        silent = [p.name for p in self.points if p.name not in seen and p.name not in self.warned]
-        if silent:
-            self.warned.update(silent)
-            warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
-                          f"{_listed(silent, 8)} (drop them with sites=...)", stacklevel=user_stacklevel())
+        sites = data.slot_sites()
+        if sites is not self._sites_said:  # (the same slots as a step already checked: nothing new to say)
+            seen = {p.name for p, c, _, _ in sites if c == 0}
+            if not seen:
+                if not self.ever_seen and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
+                    raise RuntimeError(NO_HOOK_FIRED)
+                return
+            self.ever_seen = True
+            self._sites_said = sites
+            self._say_silent(step, seen)
         if "cosine" in wants:
             self._cosine(step, data)
         if ("act_grad_norm" in wants or data.user_grads) and not data.no_backward and data.micro_steps:
@@ -144,6 +144,14 @@ class StepChecks:
             warnings.warn(f"gradscope: {_listed(over)} called more than max_calls={self.K} times in one forward; "
                           "later calls are added into the last row (raise max_calls)", stacklevel=user_stacklevel())
 
+    def _say_silent(self, step: int, seen: set[str]) -> None:
+        """Warns (once per site) about sites that saw no call in the step."""
+        silent = [p.name for p in self.points if p.name not in seen and p.name not in self.warned]
+        if silent:
+            self.warned.update(silent)
+            warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
+                          f"{_listed(silent, 8)} (drop them with sites=...)", stacklevel=user_stacklevel())
+
     def _no_gradient(self, data: StepData) -> None:
         """Warns about sites called in the step with no gradient: their value never required
         grad, or a backward did not reach them (they then have no row for it, not 0.0)."""
@@ -153,6 +161,8 @@ class StepChecks:
         never, traced = ~data.got.any(axis=0), data.traced_taps
         missed = (data.missed & ~traced).any(axis=0)  # eager: backward did not reach them
         unseen = (data.missed & traced).any(axis=0)  # compiled: the capture did not see that backward
+        if not (missed | unseen | (called & ~tapped & never)).any():  # (the usual step: no site to name)
+            return
         left_out = {n.site_in for n in self.layout.norms if n.name in data.unfit}  # said already, with the reason
         none, unreached, compiled = set(), set(), set()
         for p, c, slot, site in data.slot_sites():

@@ -5,6 +5,8 @@ Runs once per recorded step on the numbers that just reached the host; no device
 
 from __future__ import annotations
 
+from array import array
+
 import numpy as np
 
 from gradscope.recorder.capture import FWD, REACHED, REACHED_IF_TAPPED
@@ -58,7 +60,7 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n
     return np.stack(keep_g), np.stack(keep_r), np.stack(keep_t), f[:, :, 0], f[:, :, 1], f[:, :, FWD:], misfit
 
 
-def host_marks(marks: list[tuple[list[float], tuple[int, list[int]]]], n_taps: int) -> tuple[np.ndarray, np.ndarray]:
+def host_marks(marks: list[tuple[array, tuple[int, list[int]]]], n_taps: int) -> tuple[np.ndarray, np.ndarray]:
     """The snapshots' host marks as arrays: the order marks eager calls set (M, slots), and
     whether each tap's gradient arrived (M, taps: ``REACHED``, ``REACHED_IF_TAPPED`` or 0),
     from each snapshot's (code of every tap, slots whose gradient was handed over)."""
@@ -66,7 +68,7 @@ def host_marks(marks: list[tuple[list[float], tuple[int, list[int]]]], n_taps: i
     for row, (_, (every, arrived)) in zip(reached, marks):
         row[:] = every
         row[arrived] = REACHED
-    return np.array([m for m, _ in marks], dtype=np.float64), reached
+    return np.array([np.frombuffer(m, dtype=np.float64) for m, _ in marks], dtype=np.float64), reached
 
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
@@ -112,11 +114,11 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
         wants = wants - gradients
         device = {name: rows for name, rows in device.items() if name not in gradients}
     base, index = len(points) * K, {p.name: i for i, p in enumerate(points)}
-    unfit = {n.name for j, n in enumerate(layout.norms) if (misfit[base + j * K: base + (j + 1) * K] > MISFIT).any()}
-    worst = {n.name: misfit[base + j * K: base + (j + 1) * K].max() for j, n in enumerate(layout.norms)}
-    low = {name for name, m in worst.items() if m >= LOW_PRECISION}
-    untold = {name for name, m in worst.items() if UNTOLD <= m < LOW_PRECISION}
-    guessed = {name for name, m in worst.items() if GUESSED <= m <= MISFIT}
+    names = [n.name for n in layout.norms]
+    worst = misfit[base: base + len(names) * K].reshape(len(names), K).max(axis=1) if names else np.zeros(0)
+    unfit, low, untold, guessed = ({names[j] for j in np.flatnonzero(flag).tolist()} for flag in (
+        worst > MISFIT, worst >= LOW_PRECISION, (UNTOLD <= worst) & (worst < LOW_PRECISION),
+        (GUESSED <= worst) & (worst <= MISFIT)))
     for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows
         if n.name in unfit and n.site_in in index:
             i = index[n.site_in]

@@ -39,7 +39,7 @@ class ActNorm(Quantity):
 
     def rows(self, data):
         sites = data.slot_sites()
-        slots = [slot for _, _, slot, _ in sites]
+        slots = data.slots()
         called = data.order[:, slots] != 0  # (M, n)
         value = np.where(called, data.value[:, slots], 0.0)
         total = np.sqrt(np.square(value).sum(axis=0)).tolist()
@@ -65,7 +65,7 @@ class ActGradNorm(Quantity):
 
     def rows(self, data):
         sites = data.slot_sites()
-        slots = [slot for _, _, slot, _ in sites]
+        slots = data.slots()
         got = data.got[:, slots]
         sq = np.where(got, data.grad_sq[:, slots], 0.0)
         total = np.sqrt(sq.sum(axis=0)).tolist()

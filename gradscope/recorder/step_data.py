@@ -74,37 +74,56 @@ class StepData:
         return self.traced if self.traced is not None else np.zeros_like(self.arrived)
 
     @cached_property
-    def _sites(self) -> list[tuple[Probe, int, int, str]]:
+    def _called(self) -> tuple[tuple[tuple[Probe, int, int, str], ...], tuple[int, ...], np.ndarray]:
+        """(point, call, slot, site name) of every slot called, and the slots as a tuple and
+        an array: the same step after step, so kept in ``key_cache`` by which slots were called."""
         seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | self.arrived.any(axis=0)
+        return self.key_cache_get(("slot sites", seen.tobytes()), lambda: self._slot_sites_of(seen))
+
+    def _slot_sites_of(self, seen: np.ndarray) -> tuple[tuple[tuple[Probe, int, int, str], ...], tuple[int, ...], np.ndarray]:
         out = []
         for slot in np.flatnonzero(seen).tolist():
             i, c = divmod(slot, self.K)
             p = self.points[i]
             out.append((p, c, slot, call_name(p.name, c)))
-        return out
+        slots = np.flatnonzero(seen)
+        slots.flags.writeable = False  # (shared by later steps)
+        return tuple(out), tuple(slots.tolist()), slots
 
-    def slot_sites(self) -> list[tuple[Probe, int, int, str]]:
-        """(point, call, slot, site name) of every (site, call) slot called in the step."""
+    @property
+    def _sites(self) -> tuple[tuple[Probe, int, int, str], ...]:
+        return self._called[0]
+
+    def slot_sites(self) -> tuple[tuple[Probe, int, int, str], ...]:
+        """(point, call, slot, site name) of every (site, call) slot called in the step (a
+        tuple: later steps that call the same slots share it)."""
         return self._sites
 
     def step_keys(self, quantity: str) -> tuple[Key, ...]:
         """The keys of ``quantity``'s step rows (micro_step -1), one per slot of
         :meth:`slot_sites`, in its order (made once: :meth:`kept_keys`)."""
-        slots = tuple(slot for _, _, slot, _ in self._sites)
-        return self.kept_keys((quantity, slots), lambda: [Key(-1, p.stack, p.layer, site, quantity, None, p.role)
-                                                          for p, _, _, site in self._sites])
+        return self.kept_keys((quantity, self._called[1]), lambda: [Key(-1, p.stack, p.layer, site, quantity, None, p.role)
+                                                                    for p, _, _, site in self._sites])
+
+    def slots(self) -> np.ndarray:
+        """The slots of :meth:`slot_sites`, in its order (an int array; read-only)."""
+        return self._called[2]
 
     def kept_keys(self, which: tuple, make: Callable[[], list[Key]]) -> tuple[Key, ...]:
         """The row keys ``which`` names (a tuple that starts with the quantity's name), made
         by ``make()`` the first time. The same slots are called step after step, so keys are
         made once and kept in the Recorder's ``key_cache``: the same Key objects each step,
         which the row store finds by identity. A tuple, as later steps share it."""
-        keys = self.key_cache.get(which)
-        if keys is None:
+        return self.key_cache_get(which, lambda: tuple(make()))
+
+    def key_cache_get(self, which: tuple, make: Callable[[], object]) -> object:
+        """What ``key_cache`` holds under ``which``, made by ``make()`` the first time."""
+        kept = self.key_cache.get(which)
+        if kept is None:
             if len(self.key_cache) >= 256:  # (slots that keep changing: keep a few)
                 self.key_cache.clear()
-            keys = self.key_cache[which] = tuple(make())
-        return keys
+            kept = self.key_cache[which] = make()
+        return kept
 
     @cached_property
     def value_called(self) -> np.ndarray:
@@ -116,7 +135,7 @@ class StepData:
         micro-step when the step had several, and the step's row combined by ``how``
         (:data:`~gradscope.recorder.quantity.COMBINE`)."""
         if self.micro_steps == 1:  # one row per site, with the keys kept from step to step
-            slots = [slot for _, _, slot, _ in self._sites]
+            slots = self.slots()
             combined = combine(values[:, slots], how).tolist()  # (one reduction for every site)
             return [(k, v) for k, v, g in zip(self.step_keys(quantity), combined, seen[0, slots].tolist()) if g]
         out = []
