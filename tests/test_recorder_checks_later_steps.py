@@ -98,3 +98,51 @@ def test_waiting_steps_are_checked_and_built_like_the_first():
         for site, value in expected.items():
             assert abs(got[site] - value) <= 1e-6 * value, (step, site, got[site], value)
     rec.close()
+
+
+class TanhNorm(nn.Module):
+    """An adaptive norm, ``w·tanh(a·x) + b``: not of the form g·x̂ + b, so the gradient through
+    it alone is not known."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.a, self.weight, self.bias = nn.Parameter(torch.ones(1)), nn.Parameter(torch.ones(d)), nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        return self.weight * torch.tanh(self.a * x) + self.bias
+
+
+class TwiceNormed(nn.Module):
+    """The norm called twice: once on a finite input, once on one that holds an inf."""
+
+    def __init__(self, d: int = 8):
+        super().__init__()
+        self.fc, self.norm, self.head = nn.Linear(d, d), TanhNorm(d), nn.Linear(d, 1)
+
+    def forward(self, x):
+        h = self.fc(x)
+        bad = h.detach().clone()
+        bad[0, 0] = float("inf")
+        clean = torch.nan_to_num(self.norm(bad), nan=0.0, posinf=0.0, neginf=0.0)
+        return self.head(self.norm(h)).square().mean() + 0 * clean.sum()
+
+
+def test_a_norm_that_does_not_fit_stays_unfit_when_another_call_saw_an_inf():
+    """One call's misfit is NaN (its input held an inf), the other's shows the norm is not
+    g·x̂ + b: the norm is still named, and has no gradient rows through it, in every step."""
+    torch.manual_seed(0)
+    model = TwiceNormed()
+    rec = gradscope.Recorder(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(4):  # (steps 2 and 3 wait in the queue)
+            with rec.step(step):
+                model(torch.randn(16, 8) * 3).backward()
+            model.zero_grad()
+        df = rec.frame()
+    said = [str(w.message) for w in caught]
+    assert any("['norm'] do not map their normalised input" in s for s in said), said
+    assert set(df.step) == {0, 1, 2, 3}
+    through = df[(df.quantity == "ln_gain") | ((df.quantity == "act_grad_norm") & df.site.str.startswith("norm.in"))]
+    assert through.empty, through
+    rec.close()

@@ -115,9 +115,10 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
         device = {name: rows for name, rows in device.items() if name not in gradients}
     base, index = len(points) * K, {p.name: i for i, p in enumerate(points)}
     names = [n.name for n in layout.norms]
-    worst = misfit[base: base + len(names) * K].reshape(len(names), K).max(axis=1) if names else np.zeros(0)
+    calls = misfit[base: base + len(names) * K].reshape(len(names), K)  # (norms, calls)
+    worst = calls.max(axis=1)  # (NaN if a call's input held an inf or a NaN: then no mark below holds)
     unfit, low, untold, guessed = ({names[j] for j in np.flatnonzero(flag).tolist()} for flag in (
-        worst > MISFIT, worst >= LOW_PRECISION, (UNTOLD <= worst) & (worst < LOW_PRECISION),
+        (calls > MISFIT).any(axis=1), worst >= LOW_PRECISION, (UNTOLD <= worst) & (worst < LOW_PRECISION),
         (GUESSED <= worst) & (worst <= MISFIT)))
     for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows
         if n.name in unfit and n.site_in in index:
