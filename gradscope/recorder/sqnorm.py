@@ -213,7 +213,6 @@ class SquaredNormPlan:
             return out
 
 
-
 def _squared_rows(joined: torch.Tensor) -> torch.Tensor:
     """fp64 Σ x² of each row of ``joined``, a concatenation this module made (squared in
     place in its fp64 copy: one temporary fewer than ``square()``, 365 → 311 µs for the
