@@ -12,15 +12,7 @@ import torch
 from torch import nn
 
 import gradscope
-
-
-class Block(nn.Module):
-    def __init__(self, d: int = 8):
-        super().__init__()
-        self.ln, self.fc = nn.LayerNorm(d), nn.Linear(d, d)
-
-    def forward(self, x):
-        return x + self.fc(self.ln(x))
+from tests.twin_models import TwinBlock
 
 
 class Net(nn.Module):
@@ -29,7 +21,7 @@ class Net(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.blocks = nn.ModuleList([TwinBlock() for _ in range(3)])
 
     def forward(self, x, skip: bool = False, frozen: bool = False):
         if frozen:

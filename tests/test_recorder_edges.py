@@ -42,35 +42,25 @@ def test_module_swapped_after_the_recorder_was_built_is_read_live():
     assert_rel(_values(rec.frame(), "param_grad_norm")[""], total, rel=1e-5, what="total after a swap")
 
 
-def test_parameters_tied_after_the_recorder_was_built_raise():
+@pytest.mark.parametrize("steps_before", [0, 2])
+def test_parameters_tied_after_the_recorder_was_built_raise(steps_before: int):
+    """A tie made before the first step, or between two recorded steps (the parameters read
+    at a step's end are then checked against the last step's, the same objects: no other
+    check), is seen."""
     torch.manual_seed(0)
     model = gradscope.build_model(tiny("pre_ln", "decoder"))
     rec = gradscope.Recorder(model, quantities=["param_grad_norm"])
-    linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.shape == (model.config.d_model, model.config.d_model)]
-    linears[1].weight = linears[0].weight
-    with pytest.raises(RuntimeError, match="parameters changed since the Recorder was built"):
-        with rec.step(0):
-            _loss(model, batch(model.config)).backward()
-    rec.close()
-    assert all(not m._forward_hooks for m in model.modules())
-
-
-def test_parameters_tied_between_two_recorded_steps_raise():
-    """The parameters read at the end of a step are checked against the last step's (the
-    same objects: no other check), so a tie made after a recorded step must still be seen."""
-    torch.manual_seed(0)
-    model = gradscope.build_model(tiny("pre_ln", "decoder"))
-    rec = gradscope.Recorder(model, quantities=["param_grad_norm"])
-    for step in range(2):
+    for step in range(steps_before):
         with rec.step(step):
             _loss(model, batch(model.config)).backward()
         model.zero_grad()
     linears = [m for m in model.modules() if isinstance(m, nn.Linear) and m.weight.shape == (model.config.d_model, model.config.d_model)]
     linears[1].weight = linears[0].weight
     with pytest.raises(RuntimeError, match="parameters changed since the Recorder was built"):
-        with rec.step(2):
+        with rec.step(steps_before):
             _loss(model, batch(model.config)).backward()
     rec.close()
+    assert all(not m._forward_hooks for m in model.modules())
 
 
 def _layernorm_inputs(model, run) -> dict[str, torch.Tensor]:
