@@ -214,12 +214,11 @@ class SquaredNormPlan:
 
 
 def _squared_rows(joined: torch.Tensor) -> torch.Tensor:
-    """fp64 Σ x² of each row of ``joined``, a concatenation this module made (squared in
-    place in its fp64 copy: one temporary fewer than ``square()``, 365 → 311 µs for the
+    """fp64 Σ x² of each row of ``joined``, a concatenation this module made (``torch.cat``
+    always copies, so the tensor is its own even when ``double()`` returns it as it is): squared
+    in place in its fp64 copy, one temporary fewer than ``square()`` (365 → 311 µs for the
     gradients of the d=16 benchmark model in a training loop, same bits)."""
     d = joined.double()
-    if d.data_ptr() == joined.data_ptr():  # (fp64 already: ``double()`` gave the tensor itself)
-        d = d.clone()
     return d.mul_(d).sum(1)
 
 

@@ -81,14 +81,12 @@ class StepData:
         return self.key_cache_get(("slot sites", seen.tobytes()), lambda: self._slot_sites_of(seen))
 
     def _slot_sites_of(self, seen: np.ndarray) -> tuple[tuple[tuple[Probe, int, int, str], ...], tuple[int, ...], np.ndarray]:
-        out = []
-        for slot in np.flatnonzero(seen).tolist():
-            i, c = divmod(slot, self.K)
-            p = self.points[i]
-            out.append((p, c, slot, call_name(p.name, c)))
         slots = np.flatnonzero(seen)
         slots.flags.writeable = False  # (shared by later steps)
-        return tuple(out), tuple(slots.tolist()), slots
+        listed = tuple(slots.tolist())
+        sites = tuple((self.points[slot // self.K], slot % self.K, slot,
+                       call_name(self.points[slot // self.K].name, slot % self.K)) for slot in listed)
+        return sites, listed, slots
 
     @property
     def _sites(self) -> tuple[tuple[Probe, int, int, str], ...]:
