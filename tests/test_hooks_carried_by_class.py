@@ -127,6 +127,58 @@ def test_a_users_pre_hook_added_between_two_steps_runs_after_ours(compiled):
     assert got[1] == pytest.approx(want["h0"], rel=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_users_pre_hook_added_inside_a_step_after_its_forward_runs_after_ours_next_step(compiled):
+    """As above, with the user's pre-hook registered *inside* step 0, after its backward,
+    while the recorder's eager node hooks of that step were registered too (each takes a
+    handle id). Disarming trusts the hook dicts as read for the next arming only if no one
+    but the recorder took a handle while armed; here someone did, so step 1 reads them and
+    blocks.1 keeps its dicts."""
+    torch.manual_seed(5)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    want = _reference(model, x)
+    rec = gradscope.Recorder(model)
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    seen, handles = [], []
+    for step in range(3):
+        with rec.step(step):
+            seen.append(is_carrying(type(model.blocks[1])))
+            run(x).square().mean().backward()
+            if step == 0:
+                handles.append(model.blocks[1].register_forward_pre_hook(lambda m, args: (args[0] * 2,)))
+    handles[0].remove()
+    rec.close()
+    df = rec.frame()
+    got = df[(df.quantity == "act_norm") & (df.site == "blocks.1.in")].set_index("step").value
+    assert seen == [True, False, False]
+    assert got[1] == pytest.approx(want["h0"], rel=1e-5)
+    assert got[2] == pytest.approx(want["h0"], rel=1e-5)
+
+
+def test_a_module_carried_in_consecutive_eager_steps_is_carried_again_without_its_dicts_read(monkeypatch):
+    """With no hook registered by anyone else, a module carried in one eager recorded step
+    is carried in the next without its hook dicts being read again, although the step's
+    eager node hooks took handle ids (the recorder counts its own)."""
+    import gradscope.recorder.hookset as hookset
+
+    torch.manual_seed(6)
+    model, x = Twin(), torch.randn(2, 3, 8)
+    rec = gradscope.Recorder(model)
+    reads, taken = [], []
+    real = hookset._no_hooks
+    monkeypatch.setattr(hookset, "_no_hooks", lambda state: reads.append(1) or real(state))
+    for step in range(3):
+        reads.clear()
+        with rec.step(step):
+            model(x).square().mean().backward()
+            taken.append(rec._capture.eager.handles)  # (the node hooks of this step)
+        if step == 0:
+            first = len(reads)
+    rec.close()
+    assert min(taken) > 0
+    assert first > 0 and reads == []
+
+
 def _two_armed(seed: int):
     """(model, x, its classes, autograd reference, a, b) with a's step and then b's begun."""
     torch.manual_seed(seed)

@@ -82,10 +82,12 @@ class EagerGrads:
         self._retained: list[torch.Tensor] = []  # this step's aliases that keep their gradient (retain)
         self._retained_slots: list[int] = []
         self._last_retained = 1 << 62  # slot of the last alias retained: a lower one starts a new pass
+        self.handles = 0  # node hooks registered in this step (each takes a RemovableHandle id: HookSet.disarm)
 
     def begin(self) -> None:
         """A new recorded step."""
         self._epoch += 1
+        self.handles = 0
         self._hooked.clear()
         self.forget()
         self.pending.clear()
@@ -112,6 +114,7 @@ class EagerGrads:
             # (the hook holds this object weakly: it kept the alias, whose node keeps the hook
             # from C++, a cycle no collection finds if the step never ends: a Recorder dropped)
             t.grad_fn.register_prehook(partial(_wake, weakref.ref(self), self._epoch))
+            self.handles += 1
         self._last_retained = slot
         self._retained_slots.append(slot)
         self._retained.append(t)
@@ -163,6 +166,7 @@ class EagerGrads:
         else:
             self._hooked[slot] = weakref.ref(t)
         t.grad_fn.register_prehook(partial(self._node_hook, slot, self._epoch, t.output_nr))
+        self.handles += 1
 
     def _node_hook(self, slot: int, epoch: int, output: int, grads: tuple) -> None:
         grad = grads[output]

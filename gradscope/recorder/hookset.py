@@ -73,7 +73,7 @@ class HookSet:
         # (shared with the finalizer and the registry of armed sets: whether the set is armed,
         # and whether its modules are counted in _ARMS in the open arming)
         self._live = [armed, False]
-        self._stamp = -1  # RemovableHandle.next_id when the set last armed (see arm)
+        self._stamp = -1  # RemovableHandle.next_id when the set last armed, or disarmed with no other handle taken (see arm)
         weakref.finalize(self, _dropped, self._live, self._refs, self._twins)  # (a set dropped without remove())
 
     def forward(self, module: nn.Module, hook: Callable, tagged: tuple[Callable, int] | None = None) -> None:
@@ -161,7 +161,8 @@ class HookSet:
         CPU's caches. Modules are counted in ``_ARMS`` (:func:`_count`) only while another
         HookSet is armed too, and a module carried in the last arming has its four hook dicts
         read again only if a hook was registered anywhere since (every registration takes a
-        ``RemovableHandle`` id)."""
+        ``RemovableHandle`` id; the node hooks of the recorded step itself are counted by
+        :meth:`disarm`'s caller and do not count)."""
         if self.armed:
             return
         live = self._live
@@ -211,11 +212,18 @@ class HookSet:
     def _forget_twin(self, k: int) -> None:
         _forget_twins(self._twins, k)
 
-    def disarm(self) -> None:
+    def disarm(self, own_handles: int = 0) -> None:
         """Takes every hook out of its module and gives it its own class back (unless
-        something gave it another class since); ``arm`` puts them back."""
+        something gave it another class since); ``arm`` puts them back.
+
+        Args:
+            own_handles: how many handles the caller took while armed (the eager node hooks
+                of a recorded step). If no one else took one, the next arming may trust the
+                modules' hook dicts as this one read them (see :meth:`arm`)."""
         if not self.armed:
             return
+        if RemovableHandle.next_id == self._stamp + own_handles:
+            self._stamp = RemovableHandle.next_id
         for carry, entries in zip(self._carried, self._entries):
             if not carry:
                 for hooks, with_kwargs, i, _ in entries:
