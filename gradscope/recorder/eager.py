@@ -209,3 +209,13 @@ _grad = operator.attrgetter("grad")
 
 def _grad_is_set(t: torch.Tensor) -> bool:
     return t.grad is not None
+
+
+def joined(slots: list[int], sq: torch.Tensor | None, pending: list[tuple[int, torch.Tensor]]
+            ) -> tuple[list[int], torch.Tensor | None]:
+    """A batch's (slots, values) followed by values that came one at a time as (slot, 0-d)."""
+    if not pending:
+        return slots, sq
+    one_by_one = torch.stack([v.float() for _, v in pending])
+    values = one_by_one if sq is None else torch.cat([sq, one_by_one.to(sq.device)])
+    return slots + [s for s, _ in pending], values
