@@ -171,11 +171,14 @@ def bare_site_norms(with_params: bool = False) -> Callable[..., Runner]:
 
         def step(i):
             out: list[torch.Tensor] = []
-            seen: set[int] = set()
+            # the values seen, held until the step ends: a freed tensor's id is reused by the
+            # next one made, which a set of ids alone would take for a value seen before (it
+            # skipped about a third of the site values and their gradients of the 6+6 model)
+            seen: dict[int, torch.Tensor] = {}
 
             def on_value(module, args, value):
                 if id(value) not in seen:
-                    seen.add(id(value))
+                    seen[id(value)] = value
                     out.append(squared_norm(value))
                     value.register_hook(lambda g: out.append(squared_norm(g)))
 
