@@ -52,6 +52,27 @@ def test_a_norm_batch_gives_each_slot_its_norm_whatever_order_they_came_in():
     assert batch.take() == ([], None)  # taking clears
 
 
+def test_long_tensors_keep_their_arrival_order_and_pairing_around_short_ones():
+    """Long tensors are reduced as they come and stacked once per run at take; short ones
+    wait for the batch's reduction. Each (slot, value) pair stays paired, a slot handed over
+    twice (a shared module past its calls) keeps both values, and the long ones come out in
+    the order they came, as the index writes that consume them expect."""
+    g = torch.Generator().manual_seed(3)
+    long = [torch.randn(DENSE_MIN + k, generator=g) for k in range(4)]
+    short = [torch.randn(2, 5, 16, generator=g) for _ in range(3)]
+    batch = NormBatch()
+    order = [(5, long[0]), (1, short[0]), (5, long[1]), (2, long[2]), (3, short[1]), (2, short[2]), (9, long[3])]
+    for slot, t in order:
+        batch.add(slot, t)
+    slots, sq = batch.take()
+    got = list(zip(slots, sq.tolist()))
+    want_long = [(slot, t.double().square().sum().item()) for slot, t in order if t.numel() >= DENSE_MIN]
+    want_short = [(slot, t.double().square().sum().item()) for slot, t in order if t.numel() < DENSE_MIN]
+    assert [s for s, _ in got] == [s for s, _ in want_long] + [s for s, _ in want_short]
+    for (_, value), (_, want) in zip(got, want_long + want_short):
+        assert value == pytest.approx(want, rel=RELATIVE_ERROR_BOUND)
+
+
 def test_a_norm_batch_past_its_limit_reduces_early_and_keeps_everything():
     tensors = [torch.randn(2, 5, 16) for _ in range(30)]
     batch = NormBatch(limit=400)  # a reduction every few tensors

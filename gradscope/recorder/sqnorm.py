@@ -287,14 +287,22 @@ class NormBatch:
         self._tensors: list[torch.Tensor] = []
         self._versions: list[int] = []  # a waiting tensor changed in place would give a stale norm
         self._elements = 0
-        self._done: list[tuple[list[int], torch.Tensor]] = []  # (slots, fp64 ‖·‖²)
+        # (slots, fp64 ‖·‖²) of the short tensors reduced so far, and (slots, [0-d fp32 ‖·‖²])
+        # runs of long ones in between, in the order they came (stacked once at take)
+        self._done: list[tuple[list[int], torch.Tensor | list[torch.Tensor]]] = []
         self._long.clear()
 
     def add(self, slot: int, t: torch.Tensor) -> None:
         """‖t‖² for ``slot``, taken later."""
         n = t.numel()
         if n >= DENSE_MIN or n == 0 or t.layout != torch.strided:
-            self._done.append(([slot], self._long(t).reshape(1).double()))
+            sq = self._long(t)
+            last = self._done[-1] if self._done else None
+            if last is not None and type(last[1]) is list and last[1][0].device == sq.device:  # (one stack at take)
+                last[0].append(slot)
+                last[1].append(sq)
+            else:
+                self._done.append(([slot], [sq]))
             return
         self._slots.append(slot)
         self._tensors.append(t)
@@ -346,7 +354,8 @@ class NormBatch:
         if not done:
             return [], None
         slots = done[0][0] if len(done) == 1 else [s for part, _ in done for s in part]
-        sq = done[0][1] if len(done) == 1 else torch.cat([v.to(done[0][1].device) for _, v in done])
+        parts = [torch.stack(v).double() if type(v) is list else v for _, v in done]
+        sq = parts[0] if len(parts) == 1 else torch.cat([v.to(parts[0].device) for v in parts])
         return slots, sq.float()
 
 
