@@ -30,6 +30,7 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 
 from __future__ import annotations
 
+import itertools
 import weakref
 from array import array
 from functools import partial
@@ -93,6 +94,7 @@ class Capture:
         self.calls: dict[int, int] = {}
         self.recalls = [0] * self.n_counters
         self.seq = 0
+        self._at_snapshot: tuple[dict | None, int] = (None, 0)  # the call counters and their total at the last snapshot
         self.backwards = 0  # backwards seen in the open recorded step
         self.grad_forwards = 0  # forwards of the open recorded step that ran with grad enabled
         self.device: torch.device | None = None
@@ -244,10 +246,11 @@ class Capture:
         self.on = False
         self.hooks.disarm(self.eager.handles)
         self.signals.end()
-        self.snapshot(backward=False)
+        if not (self.snapshots and self._idle_since_snapshot()):  # (an empty last snapshot adds nothing: not taken)
+            self.snapshot(backward=False)
         snapshots, self.snapshots = self.snapshots, []
         self.eager.forget()  # the retained aliases (and the graph they hold) go now, not at the next step
-        return snapshots, [self.calls.get(i, 0) for i in range(self.n_counters)]
+        return snapshots, list(map(self.calls.get, range(self.n_counters), itertools.repeat(0)))
 
     def snapshot(self, backward: bool = True) -> None:
         """Sets this micro-step's captures aside: at the end of a backward (the collector's
@@ -287,6 +290,17 @@ class Capture:
         self.eager.reset_backward()
         self.values.clear()
         self.value_sq.clear()  # (recompute counts run on: reentrant checkpointing's inner backwards end here too)
+        self._at_snapshot = (self.calls, sum(self.calls.values()))
+
+    def _idle_since_snapshot(self) -> bool:
+        """Whether no hook counted a call since the last snapshot (the call counters are the
+        same dict with the same total: a forward starts a new one, and every site or norm call
+        counts one, traced or eager) and no gradient came (the collector's, or an eager one;
+        the caller has read the retained aliases' first): a snapshot now would hold zeros and
+        no marks, which ``micro_steps`` drops."""
+        seen, total = self._at_snapshot
+        return (self.calls is seen and sum(self.calls.values()) == total and self.collector.grad is None
+                and not (self.pending_fwd or self.pending_sq or self.eager.pending))
 
     def _index(self, slots: list[int], which: int) -> torch.Tensor:
         """The indices of ``slots`` on the device, reused while the slots come in the same order

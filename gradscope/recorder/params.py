@@ -88,6 +88,18 @@ class ParamGroups:
                     return params
         return self._walk()
 
+    def device(self) -> torch.device:
+        """The device of the model's first parameter (the CPU without parameters): where the
+        last read of :attr:`params` found it (one dict lookup; ``model.parameters()`` walks
+        generators through the module tree, ≈ 20 µs a step at d=16), else from the model."""
+        cache = getattr(self, "_where", None)
+        if cache is not None and cache[2][0]:
+            p = cache[2][0][0].get(cache[2][1][0])
+            if p is not None:
+                return p.device
+        p = next(self.model.parameters(), None)
+        return p.device if p is not None else torch.device("cpu")
+
     def _walk(self) -> list[nn.Parameter]:
         named = list(self.model.named_parameters())
         if len(named) != len(self.names) or any(n != want for (n, _), want in zip(named, self.names)):

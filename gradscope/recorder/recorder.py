@@ -379,8 +379,7 @@ class Recorder(RecordedTable):
         return keys, values
 
     def _device(self) -> torch.device:
-        p = next(self.model.parameters(), None)
-        return p.device if p is not None else torch.device("cpu")
+        return self.groups.device()
 
     def _grad_scale(self) -> torch.Tensor | None:
         return grad_scale(self.scaler)

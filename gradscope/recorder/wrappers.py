@@ -34,7 +34,9 @@ def grad_versions(model: nn.Module) -> list:
 
 @contextlib.contextmanager
 def no_autocast(device: torch.device | None):
-    if device is None:
+    """Autocast off for ``device`` inside (entered only where it is on: building a
+    ``torch.autocast`` costs more than the check)."""
+    if device is None or not torch.is_autocast_enabled(device.type):
         yield
         return
     with torch.autocast(device_type=device.type, enabled=False):
