@@ -280,8 +280,9 @@ class Capture:
             cols = torch.tensor([c for _, c, _ in self.pending_fwd], device=self.device)
             fwd.index_put_((rows, cols), torch.stack([v.float() for _, _, v in self.pending_fwd]))
         slots, sq = joined(*self.values.take(), self.pending_sq)
-        if slots:
-            fwd.view(-1).index_copy_(0, self._index(slots, 1), sq.to(self.device).sqrt())
+        if slots:  # (‖h‖² added: a slot that several forwards of the micro-step wrote holds their sum)
+            fwd.view(-1).index_add_(0, self._index(slots, 1), sq.to(self.device))
+        fwd[: self.n_taps, 1].sqrt_()  # the sites' ‖h‖ (compiled writes added ‖h‖² too)
         self.snapshots.append((grads, fwd, self.marks, reached))  # (the marks array is this snapshot's from now)
         self.fwd.zero_()
         self.marks = array("d", self._no_marks)

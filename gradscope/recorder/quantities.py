@@ -31,7 +31,9 @@ __all__ = ["REGISTRY", "Quantity", "StepData", "call_name", "reference", "resolv
 
 
 class ActNorm(Quantity):
-    """‖h‖₂ of a site's forward value; the accumulated row is the norm over all micro-batches."""
+    """‖h‖₂ of a site's forward value; several forwards of one micro-step count together
+    (√Σ‖h_f‖², their batches taken as one), and the accumulated row is the norm over all
+    micro-batches."""
 
     name, captures = "act_norm", frozenset({"value"})
     description = "‖h‖₂ of the tensor crossing a site (the step's row: over all micro-batches)"

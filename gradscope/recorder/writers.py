@@ -44,16 +44,17 @@ class TracedWriter:
         self._write(slot, channel, value.reshape(1))
 
     def value(self, slot: int, t: torch.Tensor) -> None:
-        """‖t‖ into the value channel."""
-        self._write(slot, 1, squared_norm(t).sqrt().reshape(1))
+        """‖t‖² added into the value channel (the snapshot takes the square root: every
+        forward of a micro-step counts, as its gradients do)."""
+        self._write(slot, 1, squared_norm(t).reshape(1), accumulate=True)
 
-    def _write(self, slot: int, channel: int, value: torch.Tensor) -> None:
-        """``fwd[slot, channel] = value`` as ``index_put_``: Inductor writes that one element,
-        where the indexing assignment became a pass over the whole (n_slots × width) buffer
-        for every write (≈300 per forward: a 0.2 ms kernel in a d=16 compiled forward)."""
+    def _write(self, slot: int, channel: int, value: torch.Tensor, accumulate: bool = False) -> None:
+        """``fwd[slot, channel] = value`` (or ``+=``) as ``index_put_``: Inductor writes that
+        one element, where the indexing assignment became a pass over the whole (n_slots ×
+        width) buffer for every write (≈300 per forward: a 0.2 ms kernel in a d=16 compiled forward)."""
         fwd = self.capture.fwd
         fwd.index_put_((torch.full((1,), slot, device=fwd.device), torch.full((1,), channel, device=fwd.device)),
-                       value.to(fwd.dtype))
+                       value.to(fwd.dtype), accumulate=accumulate)
 
     def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor:
         """The tapped value whose backward writes ‖grad‖² (and user statistics) into the collector."""
@@ -83,7 +84,7 @@ class EagerWriter(TracedWriter):
         self.capture.pending_fwd.append((slot, channel, value))
 
     def value(self, slot: int, t: torch.Tensor) -> None:
-        """‖t‖² for the snapshot (one square root for all): of a model that promises no
+        """‖t‖² for the snapshot (added to the slot's, one square root for all): of a model that promises no
         in-place op after a site (``site_outputs_never_modified_in_place``), ``t`` itself
         waits and is reduced with the others; otherwise it is reduced now, as a later
         in-place op would change it. A site that receives the very tensor (same version)

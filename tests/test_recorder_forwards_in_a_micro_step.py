@@ -1,0 +1,104 @@
+"""Every forward of a micro-step counts in its act_norm, as in its act_grad_norm: the norm over
+all of them, as if their batches were one (the root of the summed squares, as micro-steps
+combine into the step's row). An evaluation forward before the training one was dropped
+without a word (found by a new-user review); two forwards sharing one loss had their
+gradients combined and only the last forward's values. References: the site tensors,
+read by hooks written here, and their gradients by ``torch.autograd.grad``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from recorder_ref import assert_rel
+from zoo_cases import batch, tiny
+
+import gradscope
+
+
+def _logits_loss(logits, model):
+    target = torch.arange(logits.shape[:-1].numel()).reshape(logits.shape[:-1]) % model.config.vocab
+    return F.cross_entropy(logits.float().flatten(0, 1), target.flatten())
+
+
+def _site_tensors(model):
+    """Hooks keeping every output of every Site (a view, so autograd can reach it alone)."""
+    kept: dict[str, list[torch.Tensor]] = {}
+    handles = []
+    for name, m in model.named_modules():
+        if isinstance(m, gradscope.Site):
+            def hook(mod, args, out, name=name):
+                view = out.view_as(out)
+                kept.setdefault(name, []).append(view)
+                return view
+            handles.append(m.register_forward_hook(hook))
+    return kept, handles
+
+
+def _rss(values):
+    return math.sqrt(sum(v * v for v in values))
+
+
+def _rows(rec, step, quantity):
+    df = rec.frame()
+    df = df[(df.step == step) & (df.quantity == quantity) & (df.micro_step == -1)]
+    return dict(zip(df.site, df.value))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_evaluation_forward_before_the_training_one_counts(compiled: bool):
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    reference = gradscope.build_model(tiny("pre_ln", "decoder"))
+    reference.load_state_dict(model.state_dict())
+    rec = gradscope.Recorder(model, quantities=["act_norm"])
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    first, second = batch(model.config, seed=0), batch(model.config, seed=1)
+    for step in range(2):  # (step 1: the compiled graphs already made)
+        with rec.step(step):
+            with torch.no_grad():
+                run(*first)
+            _logits_loss(run(*second), model).backward()
+        model.zero_grad(set_to_none=True)
+    kept, handles = _site_tensors(reference)
+    with torch.no_grad():
+        reference(*first)
+        reference(*second)
+    for h in handles:
+        h.remove()
+    got = _rows(rec, 1, "act_norm")
+    assert set(got) == set(kept)
+    for name, tensors in kept.items():
+        assert len(tensors) == 2
+        assert_rel(got[name], _rss([t.double().norm().item() for t in tensors]), rel=1e-5, what=name)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_two_forwards_sharing_one_loss_count_in_values_and_gradients(compiled: bool):
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    reference = gradscope.build_model(tiny("pre_ln", "decoder"))
+    reference.load_state_dict(model.state_dict())
+    rec = gradscope.Recorder(model, quantities=["act_norm", "act_grad_norm"])
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    first, second = batch(model.config, seed=0), batch(model.config, seed=1)
+
+    def loss_of(forward):
+        return _logits_loss(forward(*first), model) + 0.5 * _logits_loss(forward(*second), model)
+    for step in range(2):
+        with rec.step(step):
+            loss_of(run).backward()
+        model.zero_grad(set_to_none=True)
+    kept, handles = _site_tensors(reference)
+    loss = loss_of(reference)
+    for h in handles:
+        h.remove()
+    names = list(kept)
+    grads = torch.autograd.grad(loss, [t for n in names for t in kept[n]])
+    values, grad_rows = _rows(rec, 1, "act_norm"), _rows(rec, 1, "act_grad_norm")
+    for k, name in enumerate(names):
+        assert_rel(values[name], _rss([t.double().norm().item() for t in kept[name]]), rel=1e-5, what=f"{name} value")
+        expected = _rss([g.double().norm().item() for g in grads[2 * k: 2 * k + 2]])
+        assert_rel(grad_rows[name], expected, rel=1e-5, what=f"{name} gradient")
