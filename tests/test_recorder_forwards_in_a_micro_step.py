@@ -37,6 +37,18 @@ def _site_tensors(model):
     return kept, handles
 
 
+def _recorded_and_reference(quantities, compiled):
+    """A zoo decoder with a Recorder, its runner (compiled or not), a twin with the same
+    weights that no recorder sees, and two batches."""
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("pre_ln", "decoder"))
+    reference = gradscope.build_model(tiny("pre_ln", "decoder"))
+    reference.load_state_dict(model.state_dict())
+    rec = gradscope.Recorder(model, quantities=quantities)
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    return model, rec, run, reference, batch(model.config, seed=0), batch(model.config, seed=1)
+
+
 def _rss(values):
     return math.sqrt(sum(v * v for v in values))
 
@@ -49,13 +61,7 @@ def _rows(rec, step, quantity):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_an_evaluation_forward_before_the_training_one_counts(compiled: bool):
-    torch.manual_seed(0)
-    model = gradscope.build_model(tiny("pre_ln", "decoder"))
-    reference = gradscope.build_model(tiny("pre_ln", "decoder"))
-    reference.load_state_dict(model.state_dict())
-    rec = gradscope.Recorder(model, quantities=["act_norm"])
-    run = torch.compile(model, fullgraph=True) if compiled else model
-    first, second = batch(model.config, seed=0), batch(model.config, seed=1)
+    model, rec, run, reference, first, second = _recorded_and_reference(["act_norm"], compiled)
     for step in range(2):  # (step 1: the compiled graphs already made)
         with rec.step(step):
             with torch.no_grad():
@@ -77,13 +83,7 @@ def test_an_evaluation_forward_before_the_training_one_counts(compiled: bool):
 
 @pytest.mark.parametrize("compiled", [False, True])
 def test_two_forwards_sharing_one_loss_count_in_values_and_gradients(compiled: bool):
-    torch.manual_seed(0)
-    model = gradscope.build_model(tiny("pre_ln", "decoder"))
-    reference = gradscope.build_model(tiny("pre_ln", "decoder"))
-    reference.load_state_dict(model.state_dict())
-    rec = gradscope.Recorder(model, quantities=["act_norm", "act_grad_norm"])
-    run = torch.compile(model, fullgraph=True) if compiled else model
-    first, second = batch(model.config, seed=0), batch(model.config, seed=1)
+    model, rec, run, reference, first, second = _recorded_and_reference(["act_norm", "act_grad_norm"], compiled)
 
     def loss_of(forward):
         return _logits_loss(forward(*first), model) + 0.5 * _logits_loss(forward(*second), model)
