@@ -102,3 +102,30 @@ def test_two_forwards_sharing_one_loss_count_in_values_and_gradients(compiled: b
         assert_rel(values[name], _rss([t.double().norm().item() for t in kept[name]]), rel=1e-5, what=f"{name} value")
         expected = _rss([g.double().norm().item() for g in grads[2 * k: 2 * k + 2]])
         assert_rel(grad_rows[name], expected, rel=1e-5, what=f"{name} gradient")
+
+
+@pytest.mark.parametrize(("reentrant", "compiled"), [(False, False), (True, False), (False, True)])
+def test_a_forward_that_checkpointing_recomputes_counts_once(reentrant: bool, compiled: bool):
+    """Values add up over a micro-step's forwards, so a recompute in backward must not count:
+    each block's act_norm is its output's norm, as a twin without checkpointing reads it."""
+    from test_recorder_reviewed_cases import Net
+
+    torch.manual_seed(0)
+    model, x = Net(ckpt=True, reentrant=reentrant), torch.randn(2, 5, 8)
+    twin = Net()
+    twin.load_state_dict(model.state_dict())
+    rec = gradscope.Recorder(model, quantities=["act_norm"])
+    run = torch.compile(model, fullgraph=True) if compiled else model
+    for step in range(2):
+        with rec.step(step):
+            run(x).square().mean().backward()
+    rec.close()
+    outs = {}
+    hooks = [twin.blocks[i].register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o.detach()))
+             for i in range(2)]
+    twin(x)
+    for h in hooks:
+        h.remove()
+    got = _rows(rec, 1, "act_norm")
+    for i in range(2):
+        assert_rel(got[f"blocks.{i}.out"], outs[i].double().norm().item(), rel=1e-5, what=f"blocks.{i}.out")
