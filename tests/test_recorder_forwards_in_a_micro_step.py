@@ -107,25 +107,33 @@ def test_two_forwards_sharing_one_loss_count_in_values_and_gradients(compiled: b
 @pytest.mark.parametrize(("reentrant", "compiled"), [(False, False), (True, False), (False, True)])
 def test_a_forward_that_checkpointing_recomputes_counts_once(reentrant: bool, compiled: bool):
     """Values add up over a micro-step's forwards, so a recompute in backward must not count:
-    each block's act_norm is its output's norm, as a twin without checkpointing reads it."""
+    every site's act_norm (the blocks' norms recomputed inside backward too) is the norm a twin
+    without checkpointing reads at that module's input or output."""
     from test_recorder_reviewed_cases import Net
 
     torch.manual_seed(0)
     model, x = Net(ckpt=True, reentrant=reentrant), torch.randn(2, 5, 8)
     twin = Net()
     twin.load_state_dict(model.state_dict())
-    rec = gradscope.Recorder(model, quantities=["act_norm"])
+    rec = gradscope.Recorder(model, quantities=["act_norm", "act_grad_norm"])
     run = torch.compile(model, fullgraph=True) if compiled else model
     for step in range(2):
         with rec.step(step):
             run(x).square().mean().backward()
     rec.close()
-    outs = {}
-    hooks = [twin.blocks[i].register_forward_hook(lambda m, a, o, i=i: outs.__setitem__(i, o.detach()))
-             for i in range(2)]
+    got = _rows(rec, 1, "act_norm")
+    modules, expected, hooks = dict(twin.named_modules()), {}, []
+    for site in got:
+        owner, _, where = site.rpartition(".")
+        if where == "out":
+            hooks.append(modules[owner].register_forward_hook(
+                lambda m, a, o, site=site: expected.__setitem__(site, o.detach().double().norm().item())))
+        else:
+            hooks.append(modules[owner].register_forward_pre_hook(
+                lambda m, a, site=site: expected.__setitem__(site, a[0].detach().double().norm().item())))
     twin(x)
     for h in hooks:
         h.remove()
-    got = _rows(rec, 1, "act_norm")
-    for i in range(2):
-        assert_rel(got[f"blocks.{i}.out"], outs[i].double().norm().item(), rel=1e-5, what=f"blocks.{i}.out")
+    assert set(expected) == set(got) and any(".ln." in s for s in got)
+    for site, value in expected.items():
+        assert_rel(got[site], value, rel=1e-5, what=site)
