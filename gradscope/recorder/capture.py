@@ -38,14 +38,14 @@ from functools import partial
 import torch
 from torch import nn
 
-from gradscope.models.sites import Site
 from gradscope.recorder.cosine_rows import CosineRows
 from gradscope.recorder.eager import EagerGrads, joined
-from gradscope.recorder.hookset import HookSet, own_class
+from gradscope.recorder.hookset import HookSet
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import statistic
-from gradscope.recorder.norm_stats import LOW_PRECISION, fit_norm, norm_gain, norm_kind, w_over_sigma
+from gradscope.recorder.norm_stats import LOW_PRECISION, fit_norm, norm_gain, w_over_sigma
 from gradscope.recorder.signals import Signals
+from gradscope.recorder.site_plan import plan_sites
 from gradscope.recorder.site_hooks import (_KINDS, _LIVE, _KEYS, GRAD_EXPECTED, TAPPED, _input_hook, _norm_hook,
                                              _output_hook, _root_hook, _tag, _tagged, forget)
 from gradscope.recorder.sqnorm import NormBatch, Reused
@@ -116,39 +116,11 @@ class Capture:
         self.values = NormBatch()  # eagerly, site values of a model that promises no in-place op after a site
         self.eager = EagerGrads(self.snapshot, lambda: self.on, self.n_taps)  # eager gradient norms (node hooks, Taps' norms)
         self._traced, self._eager_writer = TracedWriter(self), EagerWriter(self)
-        index = {p.name: i for i, p in enumerate(self.points)}
-        self._norm_kind = [norm_kind(n.module) for n in layout.norms]
-        self._norm_in = [index.get(n.site_in) for n in layout.norms]  # point whose gradient the norm gives
-        # A norm's input is tapped only when the norm is one fused op that reads it once
-        # (nn.LayerNorm): the tap then passes on exactly the one gradient autograd would add.
-        # Other norms use their input twice (x·rsqrt(mean x²)); a tap would sum those two
-        # contributions before the residual's, changing training in the last bit, so their
-        # gradient comes from the tap on their output (NormTap, closed form).
-        norm_inputs = {n.site_in for n in layout.norms}
-        fused = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k == "ln"}
-        by_output = {n.site_in for n, k in zip(layout.norms, self._norm_kind) if k not in (None, "ln")}
-        self._taps = [p.name not in norm_inputs or p.name in fused for p in self.points]
-        # Eagerly, a module's output may be read more cheaply by a node hook (recorder/eager.py).
-        # Not a norm's input, which wants the gradient through the norm alone, and not a
-        # module's input, which wants the gradient through that module alone.
-        outputs = [p.where == "output" and p.name not in norm_inputs for p in self.points]
-        self.hooked = [o and not isinstance(p.module, Site) for o, p in zip(outputs, self.points)]  # a Site returns its input
-        self._alias_ok = bool(getattr(model, "site_outputs_never_modified_in_place", False))
-        self.promised = self._alias_ok  # site values may wait to be reduced together
-        # Where no in-place op can follow, an alias (a C++ node of its own) stands in for the Tap:
-        # the outputs of a promising model's Sites, and the input of a fused norm that only the
-        # norm reads: a SiteNorm's ``in`` Site (the zoo) or what nn.LayerNorm itself receives
-        # (its forward modifies nothing in place). The alias's node then sees exactly the
-        # gradient the Tap would, through that norm alone.
-        plain_ln = {n.site_in for n in layout.norms if own_class(n.module).forward is nn.LayerNorm.forward}
-        self.alias = [(o and self._alias_ok) or (p.name in fused and (self._alias_ok if p.where == "output" else p.name in plain_ln))
-                       for o, p in zip(outputs, self.points)]
-        # Sites whose eager statistics take the short path (_observe_eagerly): a promising model's
-        # value waits in `values`, and its gradient comes through an alias that keeps it
-        self._quick = [self.promised and a and not h for a, h in zip(self.alias, self.hooked)]
+        plan = plan_sites(model, layout)  # how each site is read (recorder/site_plan.py)
+        self._norm_kind, self._norm_in, self._taps = plan.norm_kind, plan.norm_in, plan.taps
+        self.hooked, self.alias, self.promised, self._quick = plan.hooked, plan.alias, plan.promised, plan.quick
+        self.grad_expected = plan.grad_expected  # whether a site's gradient arrives: its order mark's sign
         self._quick_now = False  # this step takes no per-site user statistics and no cosine samples
-        # whether a site's gradient arrives (by its own tap or a norm's): its order mark's sign
-        self.grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in self.points]
         self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/hookset.py)
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
 
