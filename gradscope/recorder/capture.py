@@ -53,7 +53,9 @@ from gradscope.recorder.taps import first_tensor, main_input, replace_first
 from gradscope.recorder.writers import EagerWriter, TracedWriter
 
 REACHED, REACHED_IF_TAPPED = 1, 2  # a slot's gradient arrived; a compiled backward ran (see Capture.snapshot)
-FWD = 3  # forward-buffer channels: order mark, value (‖h‖ or w/σ), misfit of a fitted norm; then user statistics
+# forward-buffer channels: order mark, value (a site's ‖h‖², added over the forwards of a micro-step;
+# a norm's w/σ), misfit of a fitted norm; then user statistics
+FWD = 3
 
 
 class Capture:
@@ -246,7 +248,7 @@ class Capture:
         slots, sq = joined(arrived, sq, self.eager.pending)
         if slots:
             grads = grads.index_add(0, self._index(slots, 0), sq.to(self.device))
-        fwd = self.fwd.clone()
+        fwd, self.fwd = self.fwd, torch.zeros_like(self.fwd)  # (the next micro-step writes into a fresh buffer)
         if self.pending_fwd:
             rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)
             cols = torch.tensor([c for _, c, _ in self.pending_fwd], device=self.device)
@@ -254,9 +256,8 @@ class Capture:
         slots, sq = joined(*self.values.take(), self.pending_sq)
         if slots:  # (‖h‖² added: a slot that several forwards of the micro-step wrote holds their sum)
             fwd.view(-1).index_add_(0, self._index(slots, 1), sq.to(self.device))
-        fwd[: self.n_taps, 1].sqrt_()  # the sites' ‖h‖ (compiled writes added ‖h‖² too)
+        # (the sites' ‖h‖² go to the host as they are, the square roots taken with the rows: finish.step_rows)
         self.snapshots.append((grads, fwd, self.marks, reached))  # (the marks array is this snapshot's from now)
-        self.fwd.zero_()
         self.marks = array("d", self._no_marks)
         self.pending_fwd.clear()
         self.pending_sq.clear()

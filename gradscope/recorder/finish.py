@@ -102,6 +102,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     n_taps = len(points) * K
     collector, reached, traced, order, value, user_fwd, misfit = micro_steps(
         blocks["snapshots"], blocks["marks"], blocks["reached"], n_taps * (1 + len(grad_stats)), width)
+    # the sites' ‖h‖ from the ‖h‖² the forwards of each micro-step added (fp32, as on the device)
+    value[:, :n_taps] = np.sqrt(value[:, :n_taps].astype(np.float32))
     grad_sq = collector[:, :n_taps]
     # a gradient arrived: eagerly as seen; after a compiled backward where tapped (or non-zero:
     # a tap that reentrant checkpointing recomputed)
