@@ -194,6 +194,55 @@ def bare_site_norms(with_params: bool = False) -> Callable[..., Runner]:
     return setup
 
 
+def least_site_hooks(model, opt, batch, compiled: bool) -> Runner:
+    """A lower bound for any recorder built on module hooks: one forward hook per site,
+    registered once, that keeps each distinct site value and its gradient (``retain_grad``,
+    a C++ hook: no Python in backward); after backward one ``_foreach_norm`` over the
+    values, one over their gradients and one over the parameters' gradients, and one host
+    transfer. No bookkeeping, no micro-steps, no checks, fp32 norms. Eager only (traced, the
+    hooks would be part of the graph)."""
+    if compiled:
+        raise EagerOnly("eager only (a module hook per site)")
+    sites = [m for m in model.modules() if isinstance(m, gradscope.Site)]
+    params = list(model.parameters())
+    seen: dict[int, torch.Tensor] = {}
+
+    def on_value(module, args, value):
+        if id(value) not in seen:
+            seen[id(value)] = value
+            if value.requires_grad and value.grad_fn is not None:
+                value.retain_grad()
+
+    for m in sites:  # (left on the benchmark's own copy of the model, which is dropped after timing)
+        m.register_forward_hook(on_value)
+
+    def step(i):
+        seen.clear()
+        loss_of(model, batch).backward()
+        values = list(seen.values())
+        grads = [v.grad for v in values if v.grad is not None]
+        norms = [*torch._foreach_norm(values), *torch._foreach_norm(grads),
+                 *torch._foreach_norm([p.grad for p in params if p.grad is not None])]
+        torch.stack(norms).tolist()
+        seen.clear()
+        _finish_opt(opt)
+    return Runner(step)
+
+
+def least_param_norms(model, opt, batch, compiled: bool) -> Runner:
+    """A lower bound for the parameter-gradient norms of any tool, eager or compiled: the
+    ``p.grad`` of a parameter list taken once (no check that the model still holds those
+    parameters), one fp32 ``_foreach_norm`` and one host transfer; no groups, no rows."""
+    run = maybe_compile(model, compiled)
+    params = list(model.parameters())
+
+    def step(i):
+        loss_of(run, batch).backward()
+        torch.stack(torch._foreach_norm([p.grad for p in params if p.grad is not None])).tolist()
+        _finish_opt(opt)
+    return Runner(step)
+
+
 def wandb_watch(model, opt, batch, compiled: bool) -> Runner:
     """``wandb.watch(model, log="gradients", log_freq=1)`` in an offline run."""
     import wandb
@@ -252,6 +301,9 @@ METHODS: list[Method] = [
     Method("bare hooks: one squared norm per site value and gradient", bare_site_norms()),
     Method("bare hooks + parameter-gradient norms (the default quantities' reductions, no bookkeeping)",
            bare_site_norms(with_params=True)),
+    Method("least site hooks: a hook per site keeping value and gradient, three _foreach_norm, one transfer",
+           least_site_hooks),
+    Method("least parameter norms: p.grad of a fixed list, one _foreach_norm, one transfer", least_param_norms),
     Method("naive p.grad.norm().item() loop", naive_item),
     Method("gradscope default -> W&B sink (WandbSink) offline", gradscope_wandb, records=True),
     Method("wandb.watch(log='gradients', log_freq=1) offline", wandb_watch),

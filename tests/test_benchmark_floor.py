@@ -1,4 +1,4 @@
-"""The benchmark's floor (``benchmarks.overhead_methods.bare_site_norms``) takes what it says:
+"""The benchmark's floor (``benchmarks.overhead_methods.bare_site_norms``) and lower bounds take what they say:
 one squared norm per distinct site value and one per its gradient, every step.
 
 It once kept only the ids of the values it had seen, and a freed tensor's id is reused by
@@ -44,3 +44,30 @@ def test_the_floor_takes_one_norm_per_distinct_site_value_and_gradient(monkeypat
         runner.step(step)
         assert len(taken) == 2 * want, f"step {step}"
     assert want > 20
+
+
+def test_the_least_hooks_norm_every_distinct_site_value_its_gradient_and_every_parameter(monkeypatch):
+    """The lower bounds ``least_site_hooks`` and ``least_param_norms`` take the norms they
+    say, of the tensors autograd gives: every distinct site value, its gradient and every
+    parameter's gradient (a bound that skipped work would make the recorder look worse than
+    it is)."""
+    model = overhead_methods.make_model(4, 16, "cpu")
+    batch = overhead_methods.make_batch(2, 5, "cpu")
+    want = _distinct_site_values(model, batch)
+    n_params = len(list(model.parameters()))
+    lists: list[list[torch.Tensor]] = []
+    real = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda ts: lists.append(list(ts)) or real(ts))
+    runner = overhead_methods.least_site_hooks(model, overhead_methods.make_optimizer(model), batch, False)
+    for step in range(2):
+        lists.clear()
+        runner.step(step)
+        values, grads, params = lists
+        assert len(values) == want and len(params) == n_params, f"step {step}"
+        assert len(grads) == want  # (every site value of the zoo model is made by autograd and feeds the loss)
+        assert all(g is v.grad for g, v in zip(grads, [v for v in values if v.grad is not None]))
+    twin = overhead_methods.make_model(4, 16, "cpu")
+    runner = overhead_methods.least_param_norms(twin, overhead_methods.make_optimizer(twin), batch, False)
+    lists.clear()
+    runner.step(0)
+    assert len(lists) == 1 and len(lists[0]) == n_params
