@@ -35,11 +35,13 @@ sub-layer RMS and gradient RMS over ε) recorded every step and every 10th step,
 are not recorded (``every=1000``: the cost of hooks passing through), bare hooks taking one
 squared norm per distinct site value and gradient with no bookkeeping, alone and with every
 parameter gradient's (the floor: the reductions the default quantities need and nothing
-else; eager only), two lower bounds that any recorder of these quantities pays (*least site
-hooks*: a forward hook per site, registered once, that keeps each distinct value and its
-gradient by ``retain_grad``, then three ``_foreach_norm`` and one transfer, eager only; *least
-parameter norms*: ``p.grad`` of a list taken once, one ``_foreach_norm``, one transfer, eager
-and compiled), a naive loop calling ``p.grad.norm().item()`` per parameter, gradscope's default
+else; eager only), two lower bounds that any recorder of these quantities pays, with gradscope's own
+fp64 reduction and no books (*least site hooks*: a forward pre-hook per site, registered
+once, that keeps the gradient of the tensor each site receives by ``retain_grad``, then the
+squared norms of the values, their gradients and the parameters' gradients and one transfer;
+eager only; with *each site's own gradient* every site passes on an alias, as gradscope
+does; *least parameter norms*: ``p.grad`` of a list taken once, their squared norms, one
+transfer, eager and compiled), a naive loop calling ``p.grad.norm().item()`` per parameter, gradscope's default
 quantities logged live to an offline W&B run (``WandbSink``) next to
 ``wandb.watch(model, log="gradients", log_freq=1)`` offline, and Lightning's ``grad_norm``
 (the last three only when installed: ``pip install -e ".[bench]"``). Under compile the peers'

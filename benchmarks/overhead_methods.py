@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import gradscope
-from gradscope.recorder.sqnorm import squared_norm, squared_norms
+from gradscope.recorder.sqnorm import fp64_squared_norms, squared_norm, squared_norms
 
 BETAS = (0.9, 0.98)
 
@@ -194,51 +194,77 @@ def bare_site_norms(with_params: bool = False) -> Callable[..., Runner]:
     return setup
 
 
-def least_site_hooks(model, opt, batch, compiled: bool) -> Runner:
-    """A lower bound for any recorder built on module hooks: one forward hook per site,
-    registered once, that keeps each distinct site value and its gradient (``retain_grad``,
-    a C++ hook: no Python in backward); after backward one ``_foreach_norm`` over the
-    values, one over their gradients and one over the parameters' gradients, and one host
-    transfer. No bookkeeping, no micro-steps, no checks, fp32 norms. Eager only (traced, the
-    hooks would be part of the graph)."""
-    if compiled:
-        raise EagerOnly("eager only (a module hook per site)")
-    sites = [m for m in model.modules() if isinstance(m, gradscope.Site)]
-    params = list(model.parameters())
-    seen: dict[int, torch.Tensor] = {}
+def least_site_hooks(own_gradients: bool = False) -> Callable[..., Runner]:
+    """A lower bound for any recorder built on module hooks, with gradscope's own reduction.
 
-    def on_value(module, args, value):
-        if id(value) not in seen:
-            seen[id(value)] = value
-            if value.requires_grad and value.grad_fn is not None:
-                value.retain_grad()
+    One forward pre-hook per site, registered once (a :class:`gradscope.Site` is the
+    identity, so its input is its value), notes which tensor each site call received and
+    keeps that tensor's gradient by ``retain_grad`` (a C++ hook: no Python in backward).
+    After backward, under ``no_grad``: the fp64 squared norms of the values, of their
+    gradients and of the parameters' gradients (:func:`~gradscope.recorder.sqnorm.fp64_squared_norms`:
+    one stack or a few concatenations each, no reduction per tensor), and one host transfer.
+    No books (no micro-steps, checks or rows), no arming, no norm fits.
 
-    for m in sites:  # (left on the benchmark's own copy of the model, which is dropped after timing)
-        m.register_forward_hook(on_value)
+    Args:
+        own_gradients: every site call passes on an alias of its value (``x[...]``, as the
+            recorder does) and keeps the alias's gradient, so each site has its own: the
+            gradient of what follows the site (two sites that receive one tensor get the
+            uses after each), and at a norm's input the gradient through that norm alone.
+            Without it, sites that receive one tensor share its whole gradient (fewer
+            tensors, not gradscope's quantity at a norm's input).
+    """
 
-    def step(i):
-        seen.clear()
-        loss_of(model, batch).backward()
-        values = list(seen.values())
-        grads = [v.grad for v in values if v.grad is not None]
-        norms = [*torch._foreach_norm(values), *torch._foreach_norm(grads),
-                 *torch._foreach_norm([p.grad for p in params if p.grad is not None])]
-        torch.stack(norms).tolist()
-        seen.clear()
-        _finish_opt(opt)
-    return Runner(step)
+    def setup(model, opt, batch, compiled: bool) -> Runner:
+        if compiled:
+            raise EagerOnly("eager only (a module hook per site)")
+        sites = [m for m in model.modules() if isinstance(m, gradscope.Site)]
+        params = list(model.parameters())
+        kept: dict[int, torch.Tensor] = {}  # the tensors whose gradients are kept, by id (held: no id is reused)
+        received: list[int] = []  # per site call, the id of its tensor: the per-site rows a recorder writes
+
+        def on_input(module, args):
+            x = args[0]
+            if own_gradients:
+                x = x[...]
+            if id(x) not in kept:
+                kept[id(x)] = x
+                if x.requires_grad:
+                    x.retain_grad()
+            received.append(id(x))
+            return (x,) if own_gradients else None
+
+        for m in sites:  # (left on the benchmark's own copy of the model, which is dropped after timing)
+            m.register_forward_pre_hook(on_input)
+
+        def step(i):
+            kept.clear()
+            received.clear()
+            loss_of(model, batch).backward()
+            with torch.no_grad():
+                values = list(kept.values())
+                grads = [v.grad for v in values if v.grad is not None]
+                norms = [fp64_squared_norms(values), fp64_squared_norms([p.grad for p in params if p.grad is not None])]
+                if grads:
+                    norms.append(fp64_squared_norms(grads))
+                torch.cat(norms).tolist()
+            _finish_opt(opt)
+        return Runner(step)
+    return setup
 
 
 def least_param_norms(model, opt, batch, compiled: bool) -> Runner:
     """A lower bound for the parameter-gradient norms of any tool, eager or compiled: the
     ``p.grad`` of a parameter list taken once (no check that the model still holds those
-    parameters), one fp32 ``_foreach_norm`` and one host transfer; no groups, no rows."""
+    parameters), their fp64 squared norms by gradscope's own grouped reduction (a
+    concatenation per trailing shape: on a CPU, ``_foreach_norm`` reduces tensor by tensor
+    and costs more) and one host transfer; no groups, no rows."""
     run = maybe_compile(model, compiled)
     params = list(model.parameters())
 
     def step(i):
         loss_of(run, batch).backward()
-        torch.stack(torch._foreach_norm([p.grad for p in params if p.grad is not None])).tolist()
+        with torch.no_grad():
+            fp64_squared_norms([p.grad for p in params if p.grad is not None]).tolist()
         _finish_opt(opt)
     return Runner(step)
 
@@ -301,9 +327,10 @@ METHODS: list[Method] = [
     Method("bare hooks: one squared norm per site value and gradient", bare_site_norms()),
     Method("bare hooks + parameter-gradient norms (the default quantities' reductions, no bookkeeping)",
            bare_site_norms(with_params=True)),
-    Method("least site hooks: a hook per site keeping value and gradient, three _foreach_norm, one transfer",
-           least_site_hooks),
-    Method("least parameter norms: p.grad of a fixed list, one _foreach_norm, one transfer", least_param_norms),
+    Method("least site hooks: a hook per site keeping value and gradient (sites share a tensor's), "
+           "parameter norms, one transfer", least_site_hooks()),
+    Method("least site hooks, each site's own gradient (an alias per site, as gradscope)", least_site_hooks(True)),
+    Method("least parameter norms: p.grad of a fixed list, their squared norms, one transfer", least_param_norms),
     Method("naive p.grad.norm().item() loop", naive_item),
     Method("gradscope default -> W&B sink (WandbSink) offline", gradscope_wandb, records=True),
     Method("wandb.watch(log='gradients', log_freq=1) offline", wandb_watch),
