@@ -26,26 +26,27 @@ Several copies of one model class compile in one process, with Dynamo's default 
 a Recorder's armed modules have classes of their own (``gradscope/recorder/hookset.py``),
 so no copy runs a graph traced from another.
 
-Methods (``benchmarks.overhead_methods``): a second plain copy (an A/A control: how far
-two identical steps differ here), gradscope with default quantities (norms),
-gradscope with all quantities (cosine and update ratio every 10 steps: ``every=1``,
-``slow_every=10``, so one timed step in ten records them), the signals before instability
-(``quantities="signals"``: default plus attention logits and entropy, output log Z,
-sub-layer RMS and gradient RMS over ε) recorded every step and every 10th step, a Recorder attached whose steps
-are not recorded (``every=1000``: the cost of hooks passing through), bare hooks taking one
-squared norm per distinct site value and gradient with no bookkeeping, alone and with every
-parameter gradient's (the floor: the reductions the default quantities need and nothing
-else; eager only), two lower bounds that any recorder of these quantities pays, with gradscope's own
-fp64 reduction and no books (*least site hooks*: a forward pre-hook per site, registered
-once, that keeps the gradient of the tensor each site receives by ``retain_grad``, then the
-squared norms of the values, their gradients and the parameters' gradients and one transfer;
-eager only; with *each site's own gradient* every site passes on an alias, as gradscope
-does; *least parameter norms*: ``p.grad`` of a list taken once, their squared norms, one
-transfer, eager and compiled), a naive loop calling ``p.grad.norm().item()`` per parameter, gradscope's default
-quantities logged live to an offline W&B run (``WandbSink``) next to
-``wandb.watch(model, log="gradients", log_freq=1)`` offline, and Lightning's ``grad_norm``
-(the last three only when installed: ``pip install -e ".[bench]"``). Under compile the peers'
-model is compiled and their norm loops stay eager, as in a user's loop.
+Methods (``benchmarks.overhead_methods``): a second plain copy (an A/A control: how far two
+identical steps differ here), gradscope with default quantities (norms), gradscope with all
+quantities (cosine and update ratio every 10 steps: ``every=1``, ``slow_every=10``, so one
+timed step in ten records them), the signals before instability (``quantities="signals"``:
+default plus attention logits and entropy, output log Z, sub-layer RMS and gradient RMS over ε)
+recorded every step and every 10th step, a Recorder attached whose steps are not recorded
+(``every=1000``: the cost of hooks passing through), bare hooks taking one squared norm per
+distinct site value and gradient with no bookkeeping, alone and with every parameter gradient's
+(the floor named in issue 25: the reductions the default quantities need, a bounded one per
+tensor, and nothing else; eager only), two simple references that do what a recorder of these
+quantities has to do, with gradscope's own fp64 reduction and no books (*simple site hooks*: a
+forward pre-hook per site, registered once, that keeps the gradient of the tensor each site
+receives by ``retain_grad``, then the squared norms of the values, their gradients and the
+parameters' gradients and one transfer; eager only; with *each site's own gradient* every site
+passes on an alias, as gradscope does; *simple parameter norms*: ``p.grad`` of a list taken
+once, their squared norms, one transfer, eager and compiled), a naive loop calling
+``p.grad.norm().item()`` per parameter, gradscope's default quantities logged live to an
+offline W&B run (``WandbSink``) next to ``wandb.watch(model, log="gradients", log_freq=1)``
+offline, and Lightning's ``grad_norm`` (the last three only when installed: ``pip install -e
+".[bench]"``). Under compile the peers' model is compiled and their norm loops stay eager, as
+in a user's loop.
 """
 
 from __future__ import annotations

@@ -194,8 +194,10 @@ def bare_site_norms(with_params: bool = False) -> Callable[..., Runner]:
     return setup
 
 
-def least_site_hooks(own_gradients: bool = False) -> Callable[..., Runner]:
-    """A lower bound for any recorder built on module hooks, with gradscope's own reduction.
+def simple_site_hooks(own_gradients: bool = False) -> Callable[..., Runner]:
+    """A simple reference recorder built on module hooks, with gradscope's own reduction: what
+    a recorder of the default quantities has to do, without books (not a proven lower bound:
+    reviews found cheaper designs, ``benchmarks/RESULTS.md``).
 
     One forward pre-hook per site, registered once (a :class:`gradscope.Site` is the
     identity, so its input is its value), notes which tensor each site call received and
@@ -252,8 +254,8 @@ def least_site_hooks(own_gradients: bool = False) -> Callable[..., Runner]:
     return setup
 
 
-def least_param_norms(model, opt, batch, compiled: bool) -> Runner:
-    """A lower bound for the parameter-gradient norms of any tool, eager or compiled: the
+def simple_param_norms(model, opt, batch, compiled: bool) -> Runner:
+    """A simple reference for the parameter-gradient norms of any tool, eager or compiled: the
     ``p.grad`` of a parameter list taken once (no check that the model still holds those
     parameters), their fp64 squared norms by gradscope's own grouped reduction (a
     concatenation per trailing shape: on a CPU, ``_foreach_norm`` reduces tensor by tensor
@@ -327,10 +329,10 @@ METHODS: list[Method] = [
     Method("bare hooks: one squared norm per site value and gradient", bare_site_norms()),
     Method("bare hooks + parameter-gradient norms (the default quantities' reductions, no bookkeeping)",
            bare_site_norms(with_params=True)),
-    Method("least site hooks: a hook per site keeping value and gradient (sites share a tensor's), "
-           "parameter norms, one transfer", least_site_hooks()),
-    Method("least site hooks, each site's own gradient (an alias per site, as gradscope)", least_site_hooks(True)),
-    Method("least parameter norms: p.grad of a fixed list, their squared norms, one transfer", least_param_norms),
+    Method("simple site hooks: a hook per site keeping value and gradient (sites share a tensor's), "
+           "parameter norms, one transfer", simple_site_hooks()),
+    Method("simple site hooks, each site's own gradient (an alias per site, as gradscope)", simple_site_hooks(True)),
+    Method("simple parameter norms: p.grad of a fixed list, their squared norms, one transfer", simple_param_norms),
     Method("naive p.grad.norm().item() loop", naive_item),
     Method("gradscope default -> W&B sink (WandbSink) offline", gradscope_wandb, records=True),
     Method("wandb.watch(log='gradients', log_freq=1) offline", wandb_watch),

@@ -1,4 +1,4 @@
-"""The benchmark's floor (``benchmarks.overhead_methods.bare_site_norms``) and lower bounds take what they say:
+"""The benchmark's floor (``benchmarks.overhead_methods.bare_site_norms``) and simple references take what they say:
 one squared norm per distinct site value and one per its gradient, every step.
 
 It once kept only the ids of the values it had seen, and a freed tensor's id is reused by
@@ -58,11 +58,11 @@ def _site_calls(model: torch.nn.Module, batch: tuple) -> int:
 
 
 @pytest.mark.parametrize("own_gradients", [False, True])
-def test_the_least_hooks_norm_every_site_value_its_gradient_and_every_parameter(monkeypatch, own_gradients):
-    """The lower bounds ``least_site_hooks`` and ``least_param_norms`` reduce what they say,
+def test_the_simple_references_norm_every_site_value_its_gradient_and_every_parameter(monkeypatch, own_gradients):
+    """The simple references ``simple_site_hooks`` and ``simple_param_norms`` reduce what they say,
     and the tensors are autograd's: every distinct site value (or, each site with its own
     gradient, an alias per site call), its kept gradient and every parameter's gradient (a
-    bound that skipped work would make the recorder look worse than it is)."""
+    reference that skipped work would make the recorder look worse than it is)."""
     model = overhead_methods.make_model(4, 16, "cpu")
     batch = overhead_methods.make_batch(2, 5, "cpu")
     want = _site_calls(model, batch) if own_gradients else _distinct_site_values(model, batch)
@@ -70,7 +70,7 @@ def test_the_least_hooks_norm_every_site_value_its_gradient_and_every_parameter(
     lists: list[list[torch.Tensor]] = []
     real = overhead_methods.fp64_squared_norms
     monkeypatch.setattr(overhead_methods, "fp64_squared_norms", lambda ts: lists.append(list(ts)) or real(ts))
-    runner = overhead_methods.least_site_hooks(own_gradients)(model, overhead_methods.make_optimizer(model), batch,
+    runner = overhead_methods.simple_site_hooks(own_gradients)(model, overhead_methods.make_optimizer(model), batch,
                                                               False)
     for step in range(2):
         lists.clear()
@@ -81,7 +81,7 @@ def test_the_least_hooks_norm_every_site_value_its_gradient_and_every_parameter(
         assert all(g is v.grad for g, v in zip(grads, values))
         assert [g.shape for g in grads_of_params] == [p.shape for p in params]  # (p.grad is None again after the step)
     twin = overhead_methods.make_model(4, 16, "cpu")
-    runner = overhead_methods.least_param_norms(twin, overhead_methods.make_optimizer(twin), batch, False)
+    runner = overhead_methods.simple_param_norms(twin, overhead_methods.make_optimizer(twin), batch, False)
     lists.clear()
     runner.step(0)
     assert len(lists) == 1 and len(lists[0]) == len(params)
