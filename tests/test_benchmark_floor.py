@@ -16,18 +16,20 @@ import gradscope
 from benchmarks import overhead_methods
 
 
-def _distinct_site_values(model: torch.nn.Module, batch: tuple) -> int:
-    values: dict[int, torch.Tensor] = {}  # (held, so no id is reused while counting)
-
-    def on_value(module, args, value):
-        values.setdefault(id(value), value)
-
-    handles = [m.register_forward_hook(on_value) for m in model.modules() if isinstance(m, gradscope.Site)]
+def _site_values(model: torch.nn.Module, batch: tuple) -> list[torch.Tensor]:
+    """The value each site call received, in order (held, so no id is reused while counting)."""
+    values: list[torch.Tensor] = []
+    handles = [m.register_forward_hook(lambda module, args, value: values.append(value))
+               for m in model.modules() if isinstance(m, gradscope.Site)]
     with torch.no_grad():
         overhead_methods.loss_of(model, batch)
     for h in handles:
         h.remove()
-    return len(values)
+    return values
+
+
+def _distinct_site_values(model: torch.nn.Module, batch: tuple) -> int:
+    return len({id(v) for v in _site_values(model, batch)})
 
 
 @pytest.mark.parametrize("with_params", [False, True])
@@ -46,17 +48,6 @@ def test_the_floor_takes_one_norm_per_distinct_site_value_and_gradient(monkeypat
     assert want > 20
 
 
-def _site_calls(model: torch.nn.Module, batch: tuple) -> int:
-    calls = []
-    handles = [m.register_forward_pre_hook(lambda m, a: calls.append(1)) for m in model.modules()
-               if isinstance(m, gradscope.Site)]
-    with torch.no_grad():
-        overhead_methods.loss_of(model, batch)
-    for h in handles:
-        h.remove()
-    return len(calls)
-
-
 @pytest.mark.parametrize("own_gradients", [False, True])
 def test_the_simple_references_norm_every_site_value_its_gradient_and_every_parameter(monkeypatch, own_gradients):
     """The simple references ``simple_site_hooks`` and ``simple_param_norms`` reduce what they say,
@@ -65,7 +56,7 @@ def test_the_simple_references_norm_every_site_value_its_gradient_and_every_para
     reference that skipped work would make the recorder look worse than it is)."""
     model = overhead_methods.make_model(4, 16, "cpu")
     batch = overhead_methods.make_batch(2, 5, "cpu")
-    want = _site_calls(model, batch) if own_gradients else _distinct_site_values(model, batch)
+    want = len(_site_values(model, batch)) if own_gradients else _distinct_site_values(model, batch)
     params = list(model.parameters())
     lists: list[list[torch.Tensor]] = []
     real = overhead_methods.fp64_squared_norms
