@@ -124,6 +124,10 @@ def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[
         The table cell, and the checks of this cell (warm-up seconds, compiles during
         warm-up and during timing, rows recorded by the timed steps).
     """
+    twin = None
+    if args.twin:  # a plain copy made beside the method's (the same moment in the process), never recorded
+        twin_model = copy.deepcopy(base)
+        twin = plain(twin_model, make_optimizer(twin_model), batch, compiled).step
     model = copy.deepcopy(base)
     opt = make_optimizer(model)
     try:
@@ -137,21 +141,24 @@ def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[
         c0, t0 = compiles_so_far(), time.perf_counter()
         for i in range(args.warmup):
             runner.step(i)
+            if twin is not None:
+                twin(i)
         check["warm-up s"] = f"{time.perf_counter() - t0:.1f}"
         c1 = compiles_so_far()
         check["compiles in warm-up"] = c1 - c0
-        ratios, added = [], []
+        ratios, added, over_twin = [], [], []
+        steps = [ref, runner.step] + ([twin] if twin is not None else [])
         for r in range(args.pairs):
             i = args.warmup + r
-            if r % 2:
-                t_ref = timed(ref, i, args.device)
-                t = timed(runner.step, i, args.device)
-            else:
-                t = timed(runner.step, i, args.device)
-                t_ref = timed(ref, i, args.device)
+            times = [0.0] * len(steps)
+            for j in range(r, r + len(steps)):  # each kind runs first, second (and third) in turn
+                times[j % len(steps)] = timed(steps[j % len(steps)], i, args.device)
+            t_ref, t = times[0], times[1]
             ratios.append(t / t_ref)
             added.append(t - t_ref)
             ref_times.append(t_ref)
+            if twin is not None:
+                over_twin.append(t - times[2])
         check["compiles in timing"] = compiles_so_far() - c1
         check["graph breaks"] = sum(counters["graph_break"].values())
         df = runner.frame()
@@ -165,6 +172,8 @@ def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[
     finally:
         runner.finish()
     cell = spread(ratios, added)
+    if over_twin:
+        cell += f"; {1e3 * statistics.median(over_twin):+.2f} ms over its plain twin"
     if check["compiles in timing"]:
         cell = f"INVALID, compiled while timing: {cell}"
     if method.records and not check.get("rows in timed steps"):
@@ -231,6 +240,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--only", nargs="*", default=None, help="substrings of method names to run (default: all)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time gradscope with one quantity at a time (where the cost is)")
+    parser.add_argument("--twin", action="store_true",
+                        help="also time, in the same rotation, a plain copy made beside each method's copy, and give the "
+                             "method's added time over it: a compiled copy's step time depends on when it was made by "
+                             "±0.2-0.7 ms at d=16, which the reference's own copy carries")
     parser.add_argument("--recompile-limit", type=int, default=64,
                         help="torch._dynamo recompile (cache size) limit: every copy's graphs share one code object (default: 64)")
     parser.add_argument("--allocator", choices=["steady", "default"], default="steady",
