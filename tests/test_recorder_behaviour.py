@@ -41,7 +41,16 @@ def train(model, steps, rec=None):
     return opt
 
 
-@pytest.mark.parametrize("variant", ["post_ln", "dlcl_pre", "scalenorm"])
+# Transparent attention: an encoder layer's input has three readers (the layer's norm, its
+# residual, the memory); the alias at the layer's ``in`` Site adds the first two gradients
+# before autograd adds the third, so the sum rounds differently (≈1e-7 relative).
+_ROUNDS_DIFFERENTLY = pytest.mark.xfail(strict=True, reason=(
+    "known: the alias at a layer's in Site pre-adds two of its input's three gradients under transparent "
+    "attention (benchmarks/RESULTS.md, issue 25's closing note of 2026-11-27)"))
+
+
+@pytest.mark.parametrize("variant", [pytest.param(v, marks=_ROUNDS_DIFFERENTLY) if v == "transparent_attention" else v
+                                     for v in sorted(gradscope.VARIANTS)])
 def test_training_is_bit_identical_with_and_without_recorder(variant):
     config = tiny(variant, dropout=0.1)
     torch.manual_seed(0)

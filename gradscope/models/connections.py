@@ -123,8 +123,6 @@ class DLCLPost(DLCL):
 class SharedMemory(nn.Module):
     """Every decoder layer reads the encoder's output (Vaswani 2017)."""
 
-    reads_layer_outputs = False  # (the encoder's ys go unread)
-
     def __init__(self, n_dec: int) -> None:
         super().__init__()
         self.n_dec = n_dec
@@ -142,8 +140,6 @@ class TransparentMemory(nn.Module):
         n_enc: encoder depth N (outputs y_0..y_N).
         n_dec: decoder depth M.
     """
-
-    reads_layer_outputs = True  # the encoder's ys: each layer's input is read here too
 
     def __init__(self, n_enc: int, n_dec: int) -> None:
         super().__init__()

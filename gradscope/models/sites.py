@@ -12,19 +12,7 @@ from torch import nn
 
 
 class Site(nn.Module):
-    """Identity hook point: ``forward(x) -> x``.
-
-    Args:
-        input_read_elsewhere: the model may read the tensor this Site receives other than
-            through the Site's output (a layer's input that the stack also keeps, a norm's
-            input that the residual adds). The recorder then reads the site's own gradient at
-            an alias of its output; otherwise, in a model that promises
-            ``site_inputs_used_only_through_the_site``, at the received tensor itself.
-    """
-
-    def __init__(self, *, input_read_elsewhere: bool = False) -> None:
-        super().__init__()
-        self.input_read_elsewhere = input_read_elsewhere
+    """Identity hook point: ``forward(x) -> x``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return x
@@ -42,7 +30,7 @@ class SiteNorm(nn.Module):
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
-        self.add_module("in", Site(input_read_elsewhere=True))  # (a keyword: registered by name); the residual reads x too
+        self.add_module("in", Site())  # ``in`` is a keyword: registered by name
         self.inner = inner
         self.out = Site()
 

@@ -22,7 +22,6 @@ class Layer(nn.Module):
 
     def __init__(self, sublayers: dict[str, nn.Module]) -> None:
         super().__init__()
-        # (the stack keeps what a layer receives among its ys: a model that reads those marks this Site)
         self.add_module("in", Site())
         for name, sub in sublayers.items():
             self.add_module(name, sub)

@@ -38,10 +38,6 @@ class ZooModel(nn.Module):
     # No op of the zoo modifies a Site's output in place, so the recorder may read a Site's
     # gradient eagerly at a cheap alias of its output (asked for by name; see recorder/eager.py).
     site_outputs_never_modified_in_place = True
-    # Nor does one read a Site's input but through the Site's output (a SiteNorm's ``in``
-    # aside, whose input the residual also reads): the recorder then keeps the gradient of
-    # the very tensor a Site passes on (tests/test_recorder_direct_sites.py checks every variant).
-    site_inputs_used_only_through_the_site = True
 
     def stacks(self) -> dict[str, Stack]:
         """Name → stack, encoder first."""
@@ -74,9 +70,6 @@ class EncoderDecoder(ZooModel):
         self.decoder = decoder
         self.memory = memory
         self.pad_id = pad_id
-        if getattr(memory, "reads_layer_outputs", True):  # the memory reads what each encoder layer receives
-            for layer in encoder.layers:
-                layer._modules["in"].input_read_elsewhere = True
 
     def forward(self, src: torch.Tensor, tgt_in: torch.Tensor) -> torch.Tensor:
         src_keep = key_mask(src, self.pad_id)

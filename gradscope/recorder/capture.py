@@ -121,7 +121,6 @@ class Capture:
         plan = plan_sites(model, layout)  # how each site is read (recorder/site_plan.py)
         self._norm_kind, self._norm_in, self._taps = plan.norm_kind, plan.norm_in, plan.taps
         self.hooked, self.alias, self.promised, self._quick = plan.hooked, plan.alias, plan.promised, plan.quick
-        self._direct = plan.direct  # per site: keep the received tensor's own gradient, no alias (site_plan.py)
         self.grad_expected = plan.grad_expected  # whether a site's gradient arrives: its order mark's sign
         self._quick_now = False  # this step takes no per-site user statistics and no cosine samples
         self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/hookset.py)
@@ -359,12 +358,6 @@ class Capture:
         if self.want_value:
             self.values.add(slot, t)
         if not (grad and flags & TAPPED):
-            return None
-        # the tensor's own gradient is the site's (SitePlan.direct), kept unless it is a leaf (its
-        # .grad is no one's to clear) or someone else keeps it already (a user's hook, a second
-        # Recorder): then an alias, whose gradient is ours alone
-        if self._direct[i] and t.grad_fn is not None and (not t.retains_grad or self.eager.kept_last(t)):
-            self.eager.retain(t, slot, False)
             return None
         out = t[...]  # the alias whose kept gradient is the site's (EagerWriter.tap)
         self.eager.retain(out, slot, False)

@@ -16,11 +16,6 @@ cheaply:
   replaced by an alias (``aten.alias``, a C++ node that hands the gradient on unchanged)
   and the alias's node is hooked. An in-place op on such an alias would move its history
   off that node, which is why the promise is needed;
-- a Site whose input nothing else reads, in a model that also promises that
-  (``site_inputs_used_only_through_the_site``, the zoo), keeps the gradient of the very
-  tensor it passes on, with no alias; Sites that pass one tensor on in a row (a sub-layer's
-  sum, then the layer's ``out``) share it. Not a tensor someone else already keeps (a
-  user's hook, a second Recorder): that one gets an alias;
 - the input of a norm that only the norm reads (a zoo SiteNorm's ``in``, or what a plain
   ``nn.LayerNorm`` receives, whose forward modifies nothing in place) is handed on as an
   alias too, whose node then sees the gradient through that norm alone;
@@ -123,11 +118,6 @@ class EagerGrads:
         self._last_retained = slot
         self._retained_slots.append(slot)
         self._retained.append(t)
-
-    def kept_last(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` is the tensor :meth:`retain` kept last in this step (Sites that pass one
-        tensor on in a row share its gradient)."""
-        return bool(self._retained) and self._retained[-1] is t
 
     def wake(self, epoch: int) -> None:
         """Backward reached the first retained alias of a forward pass: the kept gradients are

@@ -30,10 +30,6 @@ class SitePlan(NamedTuple):
         alias: per site, whether an alias stands in for the Tap eagerly (no in-place op can follow).
         promised: the model promises that no Site output is modified in place.
         quick: per site, whether its eager statistics take the short path (``Capture._observe_eagerly``).
-        direct: per site, whether that short path keeps the gradient of the tensor the site
-            receives, with no alias: a Site of a model that also promises that every Site's
-            input is used only through the Site (``site_inputs_used_only_through_the_site``),
-            other than a norm's input (the residual reads it too).
         grad_expected: per site, whether its gradient arrives (by its own tap or a norm's).
     """
 
@@ -44,7 +40,6 @@ class SitePlan(NamedTuple):
     alias: list[bool]
     promised: bool
     quick: list[bool]
-    direct: list[bool]
     grad_expected: list[bool]
 
 
@@ -80,14 +75,5 @@ def plan_sites(model: nn.Module, layout: Layout) -> SitePlan:
     # Sites whose eager statistics take the short path: a promising model's value waits to be
     # reduced with the others, and its gradient comes through an alias that keeps it
     quick = [promised and a and not h for a, h in zip(alias, hooked)]
-    # A Site returns what it receives. Where nothing reads that tensor but through the Site's
-    # output (the model's second promise), the tensor's own gradient is the site's, and the
-    # alias is not needed: one kept gradient then serves every Site that passes the tensor
-    # on in a row (a sum, then the layer's out). A Site marked ``input_read_elsewhere`` (a
-    # layer's input, which the stack also keeps) and a norm's input (the residual reads it)
-    # keep the alias.
-    only_through = promised and bool(getattr(model, "site_inputs_used_only_through_the_site", False))
-    direct = [only_through and q and isinstance(p.module, Site) and not getattr(p.module, "input_read_elsewhere", True)
-              and p.name not in norm_inputs for q, p in zip(quick, points)]
     grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in points]
-    return SitePlan(kinds, norm_in, taps, hooked, alias, promised, quick, direct, grad_expected)
+    return SitePlan(kinds, norm_in, taps, hooked, alias, promised, quick, grad_expected)
