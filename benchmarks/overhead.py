@@ -124,10 +124,6 @@ def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[
         The table cell, and the checks of this cell (warm-up seconds, compiles during
         warm-up and during timing, rows recorded by the timed steps).
     """
-    twin = None
-    if args.twin:  # a plain copy made beside the method's (the same moment in the process), never recorded
-        twin_model = copy.deepcopy(base)
-        twin = plain(twin_model, make_optimizer(twin_model), batch, compiled).step
     model = copy.deepcopy(base)
     opt = make_optimizer(model)
     try:
@@ -136,6 +132,10 @@ def measure_method(method: Method, base: torch.nn.Module, batch, ref: Callable[[
         return f"not installed ({err.name})", {}
     except EagerOnly as err:
         return str(err), {}
+    twin = None
+    if args.twin:  # a plain copy made beside the method's (the same moment in the process), never recorded
+        twin_model = copy.deepcopy(base)
+        twin = plain(twin_model, make_optimizer(twin_model), batch, compiled).step
     check: dict = {}
     try:
         c0, t0 = compiles_so_far(), time.perf_counter()

@@ -25,7 +25,7 @@ warm-up steps record both), so the table is what most recorded steps cost. The f
 
 With ``--unrecorded`` the ``enter`` and ``exit`` cells are the Recorder's whole host work on
 such a step (the plain copy has none there); the other phases differ between two plain
-copies by up to ±0.2 ms at d=16 (compiled), which is what those cells then show.
+copies by up to ≈0.5 ms at d=16 (compiled), which is what those cells then show.
 """
 
 from __future__ import annotations
