@@ -28,3 +28,12 @@ def test_a_recorded_copy_without_rows_is_refused(monkeypatch):
 def test_bad_counts_are_refused(bad):
     with pytest.raises(SystemExit):
         phases.parse(bad)
+
+
+def test_unrecorded_steps_leave_no_rows_and_time_the_recorders_pass_through(capsys):
+    """``--unrecorded``: the timed steps of the attached Recorder record nothing (the table's
+    rows cell is 0), and a timed step that recorded would be refused."""
+    args = ["--layers", "2", "--pairs", "2", "--warmup", "2", "--no-compile", "--no-progress", "--unrecorded"]
+    assert phases.main(args) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| eager |")]
+    assert len(lines) == 1 and lines[0].rstrip(" |").endswith("| 0")
