@@ -37,3 +37,9 @@ def test_unrecorded_steps_leave_no_rows_and_time_the_recorders_pass_through(caps
     assert phases.main(args) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| eager |")]
     assert len(lines) == 1 and lines[0].rstrip(" |").endswith("| 0")
+
+
+def test_unrecorded_timing_that_recorded_is_refused(monkeypatch):
+    monkeypatch.setattr(phases, "UNRECORDED_EVERY", 1)  # every step records
+    with pytest.raises(RuntimeError, match="--unrecorded: the timed steps recorded"):
+        phases.main(["--layers", "2", "--pairs", "2", "--warmup", "2", "--no-compile", "--no-progress", "--unrecorded"])
