@@ -59,11 +59,13 @@ class TracedWriter:
     def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor:
         """The tapped value whose backward writes ‖grad‖² (and user statistics) into the collector."""
         c = self.capture
-        return c.passed_on(t, Tap.apply(t, c.collector, slot, None, c.grad_stats_now))
+        collector, at = c.traced_slot(slot)
+        return c.passed_on(t, Tap.apply(t, collector, at, None, c.grad_stats_now))
 
     def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
         c = self.capture
-        return NormTap.apply(y, x, c.collector, slot, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
+        collector, at = c.traced_slot(slot)
+        return NormTap.apply(y, x, collector, at, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
 
 
 class EagerWriter(TracedWriter):
