@@ -51,8 +51,8 @@ from gradscope.recorder.replay import Reading, ReplayOptions, SpikeReplay, Spike
 from gradscope.recorder.spike import SpikeDetector
 from gradscope.recorder.store import StepBuffer
 from gradscope.recorder.update_ratio import UpdateRatioHooks
-from gradscope.recorder.wrappers import (DynamoSettings, checked_arguments, dist_rank, grad_scale, loggable, no_autocast, params_unscaled,
-                                         step_index, token_masks, unwrap)
+from gradscope.recorder.wrappers import (DonationOff, DynamoSettings, checked_arguments, dist_rank, grad_scale, loggable,
+                                         no_autocast, params_unscaled, step_index, token_masks, unwrap)
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table.keys import model_key
 from gradscope.table.rows import RowStore
@@ -174,6 +174,8 @@ class Recorder(RecordedTable):
         DynamoSettings.acquire(len(self._capture.hooks.modules))  # compiled: checkpointing, blocks compiled one by one
         self._release_settings = weakref.finalize(self, DynamoSettings.release)  # by close(), or when collected
         weakref.finalize(self, self._capture.dropped)  # (a Recorder collected inside a step disarms its hooks)
+        self._donation_off = [False]  # whether this Recorder's open step holds DonationOff
+        weakref.finalize(self, DonationOff.give_back, self._donation_off)  # (given back by a Recorder collected inside a step)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Measures ``update_ratio`` around ``optimizer.step()`` (hooks removed by ``close``).
@@ -241,6 +243,7 @@ class Recorder(RecordedTable):
         self._buffer = StepBuffer()
         self._capture.begin(self._device(), captures, cosine_tokens=self.cosine_tokens, generator=self._generator,
                             stats=stats)
+        self._donation_off[0] = DonationOff.acquire()  # (a recorded graph's backward may run twice: wrappers.py)
         self._recording = True
         return True
 
@@ -255,12 +258,14 @@ class Recorder(RecordedTable):
         finally:
             self._capture.on = False
             self._step, self._buffer, self._recording = None, None, False
+            DonationOff.give_back(self._donation_off)
 
     def abort_step(self) -> None:
         """Discards the open step (after an exception): nothing stored."""
         self._capture.discard()
         self._updates.pending = None
         self._step, self._buffer, self._recording = None, None, False
+        DonationOff.give_back(self._donation_off)
 
     def run(self, step: int, closure: Callable[[], Any], *, log_loss: bool = True) -> Any:
         """Runs one training step's forward and backward (all its micro-batches) as ``closure()``.
@@ -406,4 +411,3 @@ class Recorder(RecordedTable):
     def site_names(self) -> list[str]:
         """The sites this recorder probes."""
         return self.layout.site_names()
-

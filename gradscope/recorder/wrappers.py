@@ -99,6 +99,59 @@ class DynamoSettings:
                 setattr(torch._dynamo.config, k, v)
 
 
+class DonationOff:
+    """AOTAutograd's donated buffers are off while any Recorder's step records
+    (``torch._functorch.config.donated_buffer``); the last step to end restores the setting.
+
+    A backward compiled with donated buffers overwrites the tensors saved for it, which is
+    safe only for a backward that runs once: AOTAutograd compiles the backward lazily and
+    drops the donation when the first backward keeps the graph (``retain_graph=True``). A
+    recorded graph holds the taps' ``autograd.Function`` (the higher-order op
+    ``autograd_function_apply``), which AOTAutograd's cache does not take, so its compiled
+    backward comes from Inductor's FX graph cache alone, whose key does not hold that
+    choice. On torch 2.13, a step that called ``backward(retain_graph=True)`` and then
+    ``backward()`` was handed a donating backward compiled earlier for a step of one
+    backward (by another copy of the model, or an earlier process), and the second
+    backward's parameter gradients came out wrong (45–91 % off), silently. With donation
+    off in recorded steps, no recorded graph's backward overwrites what it saved: the same
+    numbers, and a larger backward peak of memory in recorded steps, by the saved tensors
+    that donation would have reused. Unrecorded steps compile and run the plain graph,
+    donation as the user has it. Setting it costs ≈ 2 µs a recorded step.
+    """
+
+    _held = 0
+    _saved: bool | None = None
+
+    @classmethod
+    def acquire(cls) -> bool:
+        """A recorded step begins; returns True (the caller releases once)."""
+        import torch._functorch.config as functorch_config
+
+        if cls._held == 0:
+            cls._saved = functorch_config.donated_buffer
+            functorch_config.donated_buffer = False
+        cls._held += 1
+        return True
+
+    @classmethod
+    def release(cls) -> None:
+        """A recorded step ended; the last one restores the user's setting."""
+        import torch._functorch.config as functorch_config
+
+        if cls._held == 0:
+            return
+        cls._held -= 1
+        if cls._held == 0 and cls._saved is not None:
+            functorch_config.donated_buffer = cls._saved
+
+    @classmethod
+    def give_back(cls, held: list[bool]) -> None:
+        """Releases, once, the hold a Recorder's open step took (``held[0]``)."""
+        if held[0]:
+            held[0] = False
+            cls.release()
+
+
 def checked_arguments(model, *, every, slow_every, optimizer, run) -> tuple[int, int]:
     """``(every, slow_every)`` as ints, after checking the Recorder's arguments whose mistakes
     would otherwise surface later and elsewhere.
