@@ -18,23 +18,14 @@ import torch._functorch.config as functorch_config
 from torch import nn
 
 import gradscope
-
-
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, h):
-        return h + torch.tanh(self.fc(self.ln(h)))
+from twin_models import TanhBlock
 
 
 class Net(nn.Module):
     def __init__(self, d: int = 16) -> None:
         super().__init__()
         self.inp = nn.Linear(d, d)
-        self.layers = nn.ModuleList([Block(d), Block(d)])
+        self.layers = nn.ModuleList([TanhBlock(d), TanhBlock(d)])
         self.head = nn.Linear(d, 1)
 
     def forward(self, x):

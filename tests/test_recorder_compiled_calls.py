@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import gradscope
+from twin_models import TanhBlock
 
 BOUND = 1e-5  # relative: fp32 norms of the same gradient, compiled against eager autograd (observed ≈1e-7)
 
@@ -24,23 +25,13 @@ class GradAbsMax(gradscope.Quantity):
         return grad.abs().amax()
 
 
-class Block(nn.Module):
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        self.ln = nn.LayerNorm(d)
-        self.fc = nn.Linear(d, d)
-
-    def forward(self, h):
-        return h + torch.tanh(self.fc(self.ln(h)))
-
-
 class Shared(nn.Module):
     """An input layer, one block applied three times (ALBERT-style), a head."""
 
     def __init__(self, d: int = 8) -> None:
         super().__init__()
         self.inp = nn.Linear(d, d)
-        self.layers = nn.ModuleList([Block(d)])
+        self.layers = nn.ModuleList([TanhBlock(d)])
         self.head = nn.Linear(d, 1)
 
     def forward(self, x):

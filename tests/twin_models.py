@@ -1,4 +1,4 @@
-"""A two-block residual model (Linear after LayerNorm) small enough to compile in a test."""
+"""Residual models (Linear after LayerNorm) small enough to compile in a test."""
 
 from __future__ import annotations
 
@@ -25,3 +25,15 @@ class Twin(nn.Module):
         for b in self.blocks:
             x = b(x)
         return x
+
+
+class TanhBlock(nn.Module):
+    """``h + tanh(fc(ln(h)))`` of width ``d``: its LayerNorm's input and output are sites."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(d)
+        self.fc = nn.Linear(d, d)
+
+    def forward(self, h):
+        return h + self.fc(self.ln(h)).tanh()
