@@ -28,7 +28,7 @@ def _run(cache: Path) -> dict:
 
 
 def test_a_compiled_recorded_step_with_two_backwards_keeps_autograds_gradients(tmp_path):
-    """Without ``DonationOff`` (its ``acquire`` made a no-op) this fails on torch 2.13: the
+    """Without ``DonationOff`` (its ``take`` made a no-op) this fails on torch 2.13: the
     second backward's parameter gradients come out 45 % off (checked)."""
     out = _run(tmp_path / "cache")
     assert out["param_err"] <= BOUND, out

@@ -188,7 +188,7 @@ class Capture:
             # a Recorder dropped inside a step would leave its modules armed for good)
             self.collector.register_post_accumulate_grad_hook(partial(_collector_filled, weakref.ref(self)))
             with torch.enable_grad():  # (a step opened under no_grad still taps through it)
-                self.first_calls = self.collector[::self.K] if self.K > 1 else self.collector
+                self.first_calls = self.collector[::self.K]
             self.fwd = torch.zeros(self.n_slots, self.width, device=device)
             self._no_grads = torch.zeros(self.n_collector, device=device)
             self._indices = [None, None]

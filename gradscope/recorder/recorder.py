@@ -243,7 +243,7 @@ class Recorder(RecordedTable):
         self._buffer = StepBuffer()
         self._capture.begin(self._device(), captures, cosine_tokens=self.cosine_tokens, generator=self._generator,
                             stats=stats)
-        self._donation_off[0] = DonationOff.acquire()  # (a recorded graph's backward may run twice: wrappers.py)
+        DonationOff.take(self._donation_off)  # (a recorded graph's backward may run twice: wrappers.py)
         self._recording = True
         return True
 

@@ -6,6 +6,7 @@ import contextlib
 import numbers
 
 import torch
+import torch._functorch.config as functorch_config
 from torch import nn
 
 from gradscope.recorder.layout import is_zoo
@@ -119,37 +120,30 @@ class DonationOff:
     donation as the user has it. Setting it costs ≈ 2 µs a recorded step.
     """
 
-    _held = 0
+    _held = 0  # recorded steps open now, over every Recorder
     _saved: bool | None = None
 
     @classmethod
-    def acquire(cls) -> bool:
-        """A recorded step begins; returns True (the caller releases once)."""
-        import torch._functorch.config as functorch_config
-
+    def take(cls, held: list[bool]) -> None:
+        """A Recorder's step begins to record; ``held[0]`` notes that it holds the setting."""
+        if held[0]:
+            return
+        held[0] = True
         if cls._held == 0:
             cls._saved = functorch_config.donated_buffer
             functorch_config.donated_buffer = False
         cls._held += 1
-        return True
-
-    @classmethod
-    def release(cls) -> None:
-        """A recorded step ended; the last one restores the user's setting."""
-        import torch._functorch.config as functorch_config
-
-        if cls._held == 0:
-            return
-        cls._held -= 1
-        if cls._held == 0 and cls._saved is not None:
-            functorch_config.donated_buffer = cls._saved
 
     @classmethod
     def give_back(cls, held: list[bool]) -> None:
-        """Releases, once, the hold a Recorder's open step took (``held[0]``)."""
-        if held[0]:
-            held[0] = False
-            cls.release()
+        """The step ended (or was aborted, or its Recorder collected): gives its hold back,
+        once; the last one restores the user's setting."""
+        if not held[0]:
+            return
+        held[0] = False
+        cls._held -= 1
+        if cls._held == 0:
+            functorch_config.donated_buffer = cls._saved
 
 
 def checked_arguments(model, *, every, slow_every, optimizer, run) -> tuple[int, int]:
