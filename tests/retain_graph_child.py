@@ -4,8 +4,12 @@ Copy A of a model records a compiled step with one backward; copy B (the same ar
 so Inductor's FX graph cache serves it A's compiled graphs) records a compiled step with
 ``backward(retain_graph=True)`` and then ``backward()``. Prints, as JSON, the largest
 relative error of B's parameter gradients and of its ``act_grad_norm`` rows against eager
-autograd on a third copy, and ``torch._functorch.config.donated_buffer`` inside the step
-and after it.
+autograd on a third copy, and ``torch._functorch.config.donated_buffer`` and
+``torch.compiler.config.cache_key_tag`` inside the step and after it.
+
+With ``stale`` as argument, copy A records as a gradscope without ``DonationOff`` did (its
+``take`` and ``give_back`` do nothing then), leaving a donating backward in the cache, as an
+older gradscope would have left it for a newer one.
 """
 
 from __future__ import annotations
@@ -14,10 +18,14 @@ import copy
 import json
 
 import torch
+import sys
+
 import torch._functorch.config as functorch_config
+import torch.compiler.config as compiler_config
 from torch import nn
 
 import gradscope
+from gradscope.recorder.wrappers import DonationOff
 from twin_models import TanhBlock
 
 
@@ -35,23 +43,27 @@ class Net(nn.Module):
         return self.head(h).pow(2).mean()
 
 
-def main() -> None:
+def main(stale: bool) -> None:
     torch.manual_seed(0)
     base, x = Net(), torch.randn(4, 5, 16)
     a, b, plain = copy.deepcopy(base), copy.deepcopy(base), copy.deepcopy(base)
     rec_a = gradscope.Recorder(a)
+    take, give_back = DonationOff.take, DonationOff.give_back
+    if stale:
+        DonationOff.take = DonationOff.give_back = classmethod(lambda cls, held: None)
     with rec_a.step(0):
         torch.compile(a, fullgraph=True)(x).backward()
     rec_a.close()
+    DonationOff.take, DonationOff.give_back = take, give_back
 
     rec_b = gradscope.Recorder(b)  # (the quantities of A: the same graphs, which the cache then serves)
     run = torch.compile(b, fullgraph=True)
     with rec_b.step(0):
-        inside = functorch_config.donated_buffer
+        inside = functorch_config.donated_buffer, compiler_config.cache_key_tag
         loss = run(x)
         loss.backward(retain_graph=True)
         loss.backward()
-    after = functorch_config.donated_buffer
+    after = functorch_config.donated_buffer, compiler_config.cache_key_tag
     df = rec_b.frame()
     rec_b.close()
 
@@ -75,4 +87,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(stale=sys.argv[1:] == ["stale"])
