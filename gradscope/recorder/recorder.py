@@ -250,6 +250,8 @@ class Recorder(RecordedTable):
     def end_step(self) -> None:
         """Closes the open step after backward and stores the step's rows."""
         if self._step is None:
+            if self._closed:  # (closed inside the step, which close() discarded and said so)
+                return
             raise RuntimeError("Recorder.end_step: no open step")
         step = self._step
         try:
@@ -391,7 +393,11 @@ class Recorder(RecordedTable):
 
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer) and flushes and closes the sinks;
-        the recorded table stays readable."""
+        the recorded table stays readable. A step still open is discarded, with a warning."""
+        if self._step is not None:
+            warnings.warn(f"gradscope: Recorder.close() inside step {self._step}: the step is discarded (no rows); "
+                          "close the recorder after the step ends", stacklevel=2)
+            self.abort_step()
         self._release_settings()  # once, whatever calls it first
         self._capture.remove()
         self._updates.remove()

@@ -8,6 +8,7 @@ makes that choice for every site, so the hooks only look their site's choice up.
 
 from __future__ import annotations
 
+import sys
 from typing import NamedTuple
 
 from torch import nn
@@ -70,10 +71,22 @@ def plan_sites(model: nn.Module, layout: Layout) -> SitePlan:
     # (its forward modifies nothing in place). The alias's node then sees exactly the
     # gradient the Tap would, through that norm alone.
     plain_ln = {n.site_in for n in layout.norms if own_class(n.module).forward is nn.LayerNorm.forward}
-    alias = [(o and promised) or (p.name in fused and (promised if p.where == "output" else p.name in plain_ln))
+    # Not at outputs under FSDP2: fully_shard hooks a wrapped module's output tensors for its
+    # backward and warns of a view there (an in-place op on it would drop that hook), and an
+    # alias is a view; the Tap's output is none.
+    outputs_alias = promised and not _fully_sharded(model)
+    alias = [(o and outputs_alias) or (p.name in fused and (outputs_alias if p.where == "output" else p.name in plain_ln))
              for o, p in zip(outputs, points)]
     # Sites whose eager statistics take the short path: a promising model's value waits to be
     # reduced with the others, and its gradient comes through an alias that keeps it
     quick = [promised and a and not h for a, h in zip(alias, hooked)]
     grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in points]
     return SitePlan(kinds, norm_in, taps, hooked, alias, promised, quick, grad_expected)
+
+
+def _fully_sharded(model: nn.Module) -> bool:
+    """Whether ``fully_shard`` (FSDP2) wrapped ``model`` or a module in it (read from
+    ``torch.distributed.fsdp`` only if something imported it already)."""
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    wrapped = getattr(fsdp, "FSDPModule", None)
+    return wrapped is not None and any(isinstance(m, wrapped) for m in model.modules())

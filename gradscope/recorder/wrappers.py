@@ -103,7 +103,7 @@ class DynamoSettings:
 
 class DonationOff:
     """AOTAutograd's donated buffers are off while any Recorder's step records
-    (``torch._functorch.config.donated_buffer``); the last step to end restores the setting.
+    (``torch._functorch.config.donated_buffer``); the last step to end restores the settings.
 
     A backward compiled with donated buffers overwrites the tensors saved for it, which is
     safe only for a backward that runs once: AOTAutograd compiles the backward lazily and
@@ -132,6 +132,7 @@ class DonationOff:
     CACHE_TAG = "gradscope-recorded-no-donation"
     _held = 0  # recorded steps open now, over every Recorder
     _saved: tuple[bool, str] | None = None  # the user's (donated_buffer, cache_key_tag)
+    _tag = ""  # the tag set
 
     @classmethod
     def take(cls, held: list[bool]) -> None:
@@ -141,20 +142,24 @@ class DonationOff:
         held[0] = True
         if cls._held == 0:
             cls._saved = functorch_config.donated_buffer, compiler_config.cache_key_tag
-            functorch_config.donated_buffer = False
-            compiler_config.cache_key_tag = f"{cls._saved[1]}+{cls.CACHE_TAG}" if cls._saved[1] else cls.CACHE_TAG
+            cls._tag = f"{cls._saved[1]}+{cls.CACHE_TAG}" if cls._saved[1] else cls.CACHE_TAG
+            functorch_config.donated_buffer, compiler_config.cache_key_tag = False, cls._tag
         cls._held += 1
 
     @classmethod
     def give_back(cls, held: list[bool]) -> None:
         """The step ended (or was aborted, or its Recorder collected): gives its hold back,
-        once; the last one restores the user's setting."""
+        once; the last one restores the user's settings, unless the user changed them since
+        (a ``donated_buffer`` set to False inside the step cannot be told from ours)."""
         if not held[0]:
             return
         held[0] = False
         cls._held -= 1
-        if cls._held == 0:
-            functorch_config.donated_buffer, compiler_config.cache_key_tag = cls._saved
+        if cls._held == 0:  # (what the user set inside the step stays)
+            if functorch_config.donated_buffer is False:
+                functorch_config.donated_buffer = cls._saved[0]
+            if compiler_config.cache_key_tag == cls._tag:
+                compiler_config.cache_key_tag = cls._saved[1]
 
 
 def checked_arguments(model, *, every, slow_every, optimizer, run) -> tuple[int, int]:
