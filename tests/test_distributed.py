@@ -58,6 +58,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                             timeout=timedelta(seconds=60))
     try:
         counts = {mode: _train_one_step(mode, rank, out) for mode in MODES}
+        _recorder_made_before_fully_shard_passes_on_no_view(rank)
         placements = _placement_norms(rank)
         if rank == 0:
             with open(os.path.join(out, "all_reduce_calls.json"), "w") as f:
@@ -134,6 +135,26 @@ def _train_one_step(mode: str, rank: int, out: str) -> int:
         rec.close()
         early.close()
     return calls[0]
+
+
+def _recorder_made_before_fully_shard_passes_on_no_view(rank: int) -> None:
+    """A Recorder (default quantities) made before ``fully_shard``: its sites pass on no view
+    in a recorded step (fully_shard warns of a view a wrapped module returns)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model, inputs, target = model_and_batch()
+    rec = gradscope.Recorder(model)
+    for stack in model.stacks().values():
+        for layer in stack.layers:
+            fully_shard(layer)
+    fully_shard(model)
+    mine = slice(rank * B // WORLD, (rank + 1) * B // WORLD)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rec.step(0):
+            loss_fn(model(*(t[mine] for t in inputs)), target[mine]).backward()
+    rec.close()
+    assert not [w for w in caught if "view tensor" in str(w.message)], [str(w.message) for w in caught]
 
 
 def placement_tensors(rank: int) -> dict[str, torch.Tensor]:

@@ -77,3 +77,23 @@ def test_close_inside_a_step_discards_it_says_so_and_gives_the_settings_back(use
     assert rec.frame()["step"].unique().tolist() == [0]
     with pytest.raises(RuntimeError, match="closed"):
         rec.begin_step(2)
+
+
+def test_a_run_closure_that_closes_the_recorder_returns_its_loss_and_nothing_more_ends(user_settings):
+    model = _model()
+    rec = gradscope.Recorder(model)
+
+    def closure():
+        loss = model(torch.randn(2, 4)).sum()
+        loss.backward()
+        rec.close()
+        return loss
+
+    with pytest.warns(UserWarning, match=r"close\(\) inside step 0"):
+        out = rec.run(0, closure)  # (logs no loss into the closed recorder)
+    assert isinstance(out, torch.Tensor) and len(rec.frame()) == 0
+    assert _settings() == user_settings
+    with pytest.raises(RuntimeError, match=r"no open step \(the recorder is closed\)"):
+        rec.end_step()  # only the discarded step's own end passes silently
+    with pytest.raises(ValueError, match="the recorder is closed"):
+        rec.log("loss", 1.0)

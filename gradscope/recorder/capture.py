@@ -45,7 +45,7 @@ from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import statistic
 from gradscope.recorder.norm_stats import LOW_PRECISION, fit_norm, norm_gain, w_over_sigma
 from gradscope.recorder.signals import Signals
-from gradscope.recorder.site_plan import plan_sites
+from gradscope.recorder.site_plan import fully_sharded, plan_sites
 from gradscope.recorder.site_hooks import (_KINDS, _LIVE, _KEYS, GRAD_EXPECTED, TAPPED, _input_hook, _norm_hook,
                                              _output_hook, _root_hook, _tag, _tagged, forget)
 from gradscope.recorder.sqnorm import NormBatch, Reused
@@ -193,6 +193,9 @@ class Capture:
             self._no_grads = torch.zeros(self.n_collector, device=device)
             self._indices = [None, None]
             self.cosine.forget()
+            if any(self.alias) and fully_sharded(self.model):  # (fully_shard came after the Recorder: site_plan.py)
+                plan = plan_sites(self.model, self.layout)
+                self.alias, self._quick = plan.alias, plan.quick
         self.collector.grad = None
         self.fwd.zero_()
         self.marks = array("d", self._no_marks)

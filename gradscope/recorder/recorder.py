@@ -166,7 +166,7 @@ class Recorder(RecordedTable):
         self._late = LateRows(self._out, self._rows)  # a step's rows are built later (recorder/late_rows.py)
         self._key_cache: dict = {}  # row keys kept from step to step (StepData.step_keys)
         self._updates = UpdateRatioHooks(self.groups, self._late.rows)
-        self._closed = False
+        self._closed = self._closed_inside = False
         self._lr_from_optimizer = optimizer is not None
         if optimizer is not None:
             self.attach_optimizer(optimizer)
@@ -250,9 +250,10 @@ class Recorder(RecordedTable):
     def end_step(self) -> None:
         """Closes the open step after backward and stores the step's rows."""
         if self._step is None:
-            if self._closed:  # (closed inside the step, which close() discarded and said so)
+            if self._closed_inside:  # (close() discarded the step, and said so)
+                self._closed_inside = False
                 return
-            raise RuntimeError("Recorder.end_step: no open step")
+            raise RuntimeError("Recorder.end_step: no open step" + (" (the recorder is closed)" if self._closed else ""))
         step = self._step
         try:
             if self._recording:
@@ -290,13 +291,13 @@ class Recorder(RecordedTable):
         recorded = self.begin_step(step)
         try:
             out = closure()
-            if log_loss and recorded:
+            if log_loss and recorded and not self._closed:
                 self.log("loss", out)
         except BaseException:
             self.abort_step()
             raise
         self.end_step()
-        if self._replay is not None:
+        if self._replay is not None and not self._closed:
             self._replay.after(step, out, closure, recorded=recorded, log_loss=log_loss)
         return out
 
@@ -348,7 +349,8 @@ class Recorder(RecordedTable):
             return
         if step is None:
             if self._step is None:
-                raise ValueError("Recorder.log: no open step; pass step=")
+                raise ValueError("Recorder.log: the recorder is closed, and no step is open" if self._closed
+                                 else "Recorder.log: no open step; pass step=")
             return  # the open step is not recorded: nothing to log
         self._late.rows(step, [key], np.array([float(value)]))
 
@@ -398,6 +400,7 @@ class Recorder(RecordedTable):
             warnings.warn(f"gradscope: Recorder.close() inside step {self._step}: the step is discarded (no rows); "
                           "close the recorder after the step ends", stacklevel=2)
             self.abort_step()
+            self._closed_inside = True  # (the step's own end then does nothing)
         self._release_settings()  # once, whatever calls it first
         self._capture.remove()
         self._updates.remove()

@@ -74,7 +74,7 @@ def plan_sites(model: nn.Module, layout: Layout) -> SitePlan:
     # Not at outputs under FSDP2: fully_shard hooks a wrapped module's output tensors for its
     # backward and warns of a view there (an in-place op on it would drop that hook), and an
     # alias is a view; the Tap's output is none.
-    outputs_alias = promised and not _fully_sharded(model)
+    outputs_alias = promised and not fully_sharded(model)
     alias = [(o and outputs_alias) or (p.name in fused and (outputs_alias if p.where == "output" else p.name in plain_ln))
              for o, p in zip(outputs, points)]
     # Sites whose eager statistics take the short path: a promising model's value waits to be
@@ -84,7 +84,7 @@ def plan_sites(model: nn.Module, layout: Layout) -> SitePlan:
     return SitePlan(kinds, norm_in, taps, hooked, alias, promised, quick, grad_expected)
 
 
-def _fully_sharded(model: nn.Module) -> bool:
+def fully_sharded(model: nn.Module) -> bool:
     """Whether ``fully_shard`` (FSDP2) wrapped ``model`` or a module in it (read from
     ``torch.distributed.fsdp`` only if something imported it already)."""
     fsdp = sys.modules.get("torch.distributed.fsdp")
