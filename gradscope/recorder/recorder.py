@@ -28,8 +28,7 @@ import functools
 import os
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -47,7 +46,8 @@ from gradscope.recorder.outlet import Outlet, make_sinks
 from gradscope.recorder.params import ParamGroups
 from gradscope.recorder.quantities import resolve_quantities
 from gradscope.recorder.recorded_table import RecordedTable
-from gradscope.recorder.replay import Reading, ReplayOptions, SpikeReplay, SpikeWatch, replay_options
+from gradscope.recorder.replay import ReplayOptions, SpikeReplay, replay_options
+from gradscope.recorder.step_runner import StepRunner
 from gradscope.recorder.spike import SpikeDetector
 from gradscope.recorder.store import StepBuffer
 from gradscope.recorder.update_ratio import UpdateRatioHooks
@@ -57,7 +57,7 @@ from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table.keys import model_key
 from gradscope.table.rows import RowStore
 
-class Recorder(RecordedTable):
+class Recorder(RecordedTable, StepRunner):
     """Records gradient norms and LayerNorm statistics of ``model``.
 
     It may be made before or after the model is compiled (a recorded module has a class of
@@ -269,60 +269,6 @@ class Recorder(RecordedTable):
         self._updates.pending = None
         self._step, self._buffer, self._recording = None, None, False
         DonationOff.give_back(self._donation_off)
-
-    def run(self, step: int, closure: Callable[[], Any], *, log_loss: bool = True) -> Any:
-        """Runs one training step's forward and backward (all its micro-batches) as ``closure()``.
-
-        The step is recorded when the schedule says so; with ``on_spike="replay"`` every step
-        is watched and a spiking step the schedule skips is run again, recorded
-        (:mod:`gradscope.recorder.replay`), its gradients left as the first run made them.
-
-        Args:
-            step: the step's index.
-            closure: forward and backward of the whole step; returns the step's loss (a 0-d
-                tensor or a number). It may run again, so it must not fetch data itself, and
-                the batch it captures must not be refilled in place while it may run.
-            log_loss: log the returned loss as ``loss`` on recorded steps (False when the
-                closure or the loop logs it).
-
-        Returns:
-            What the closure returned.
-        """
-        recorded = self.begin_step(step)
-        try:
-            out = closure()
-            if log_loss and recorded and not self._closed:
-                self.log("loss", out)
-        except BaseException:
-            self.abort_step()
-            raise
-        self.end_step()
-        if self._replay is not None and not self._closed:
-            self._replay.after(step, out, closure, recorded=recorded, log_loss=log_loss)
-        return out
-
-    def check_spike(self, step: int, loss: Any, rerun: Callable[[], Any], *, log_loss: bool = False) -> Reading:
-        """The watch for callbacks that open steps with ``begin_step``/``end_step``: after
-        ``end_step``, checks ``step``'s ``loss`` and gradient norm and replays it with
-        ``rerun`` (forward and backward of the whole step again) when it spiked unrecorded.
-
-        Raises:
-            RuntimeError: the Recorder was made without ``on_spike``.
-        """
-        if self._replay is None:
-            raise RuntimeError("Recorder.check_spike: the Recorder was made without on_spike ('replay')")
-        return self._replay.after(step, loss, rerun, recorded=self.records(step), log_loss=log_loss)
-
-    @property
-    def watch(self) -> SpikeWatch | None:
-        """The spike watch (``watch.flagged``, ``watch.last``), or None without ``on_spike``."""
-        return self._replay.watch if self._replay is not None else None
-
-    @property
-    def grad_norm(self) -> torch.Tensor | None:
-        """The total gradient norm the watch took of the last step (0-d, on the device), for
-        ``torch.nn.utils.clip_grads_with_norm_``; None without ``on_spike``."""
-        return self._replay.grad_norm if self._replay is not None else None
 
     @property
     def open_step(self) -> int | None:
