@@ -20,6 +20,7 @@ import warnings
 from datetime import timedelta
 from pathlib import Path
 
+import numpy as np
 import pandas as pd
 import pytest
 import torch
@@ -58,7 +59,8 @@ def _worker(rank: int, port: int, out: str) -> None:
                             timeout=timedelta(seconds=60))
     try:
         counts = {mode: _train_one_step(mode, rank, out) for mode in MODES}
-        _recorder_made_before_fully_shard_passes_on_no_view(rank)
+        for steps_before in (0, 1):
+            _recorder_made_before_fully_shard_passes_on_no_view(rank, steps_before)
         placements = _placement_norms(rank)
         if rank == 0:
             with open(os.path.join(out, "all_reduce_calls.json"), "w") as f:
@@ -137,13 +139,18 @@ def _train_one_step(mode: str, rank: int, out: str) -> int:
     return calls[0]
 
 
-def _recorder_made_before_fully_shard_passes_on_no_view(rank: int) -> None:
-    """A Recorder (default quantities) made before ``fully_shard``: its sites pass on no view
-    in a recorded step (fully_shard warns of a view a wrapped module returns)."""
+def _recorder_made_before_fully_shard_passes_on_no_view(rank: int, steps_before: int) -> None:
+    """A Recorder (default quantities) made before ``fully_shard``, which may have recorded
+    ``steps_before`` steps of the unsharded model: its sites pass on no view in a recorded
+    step after it (fully_shard warns of a view a wrapped module returns)."""
     from torch.distributed.fsdp import fully_shard
 
     model, inputs, target = model_and_batch()
     rec = gradscope.Recorder(model)
+    for step in range(steps_before):  # (each rank alone: the model is not sharded yet)
+        with rec.step(step):
+            loss_fn(model(*inputs), target).backward()
+        model.zero_grad(set_to_none=True)
     for stack in model.stacks().values():
         for layer in stack.layers:
             fully_shard(layer)
@@ -151,10 +158,12 @@ def _recorder_made_before_fully_shard_passes_on_no_view(rank: int) -> None:
     mine = slice(rank * B // WORLD, (rank + 1) * B // WORLD)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        with rec.step(0):
+        with rec.step(steps_before):
             loss_fn(model(*(t[mine] for t in inputs)), target[mine]).backward()
     rec.close()
-    assert not [w for w in caught if "view tensor" in str(w.message)], [str(w.message) for w in caught]
+    assert not [w for w in caught if "view tensor" in str(w.message)], (steps_before, [str(w.message) for w in caught])
+    grads = rec.frame().query("quantity == 'act_grad_norm' and step == @steps_before and micro_step == -1")["value"]
+    assert len(grads) > 0 and np.isfinite(grads).all(), steps_before
 
 
 def placement_tensors(rank: int) -> dict[str, torch.Tensor]:

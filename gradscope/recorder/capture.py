@@ -118,6 +118,7 @@ class Capture(SiteObserver):
         self._norm_kind, self._norm_in, self._taps = plan.norm_kind, plan.norm_in, plan.taps
         self.hooked, self.alias, self.promised, self._quick = plan.hooked, plan.alias, plan.promised, plan.quick
         self.grad_expected = plan.grad_expected  # whether a site's gradient arrives: its order mark's sign
+        self._planned_under: type | None = None  # the root's class when ``begin`` last checked the plan
         self._quick_now = False  # this step takes no per-site user statistics and no cosine samples
         self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/hookset.py)
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
@@ -188,7 +189,9 @@ class Capture(SiteObserver):
             self._no_grads = torch.zeros(self.n_collector, device=device)
             self._indices = [None, None]
             self.cosine.forget()
-            if any(self.alias) and fully_sharded(self.model):  # (fully_shard came after the Recorder: site_plan.py)
+        if type(self.model) is not self._planned_under:  # the root's class changed since the sites were planned
+            self._planned_under = type(self.model)
+            if any(self.alias) and fully_sharded(self.model):  # (fully_shard came after: no alias, site_plan.py)
                 plan = plan_sites(self.model, self.layout)
                 self.alias, self._quick = plan.alias, plan.quick
         self.collector.grad = None
