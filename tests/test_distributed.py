@@ -61,6 +61,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         counts = {mode: _train_one_step(mode, rank, out) for mode in MODES}
         for steps_before in (0, 1):
             _recorder_made_before_fully_shard_passes_on_no_view(rank, steps_before)
+        _spike_watch_refused()
         placements = _placement_norms(rank)
         if rank == 0:
             with open(os.path.join(out, "all_reduce_calls.json"), "w") as f:
@@ -164,6 +165,18 @@ def _recorder_made_before_fully_shard_passes_on_no_view(rank: int, steps_before:
     assert not [w for w in caught if "view tensor" in str(w.message)], (steps_before, [str(w.message) for w in caught])
     grads = rec.frame().query("quantity == 'act_grad_norm' and step == @steps_before and micro_step == -1")["value"]
     assert len(grads) > 0 and np.isfinite(grads).all(), steps_before
+
+
+def _spike_watch_refused() -> None:
+    """``on_spike`` in a group of several ranks raises (each rank would watch its own loss, and
+    a rank replaying alone would wait in a collective): not a hang."""
+    model, _, _ = model_and_batch()
+    try:
+        gradscope.Recorder(model, on_spike="replay")
+    except ValueError as e:
+        assert "not supported under torch.distributed (2 ranks)" in str(e), str(e)
+    else:
+        raise AssertionError("Recorder(on_spike='replay') under 2 ranks did not raise")
 
 
 def placement_tensors(rank: int) -> dict[str, torch.Tensor]:

@@ -163,6 +163,29 @@ def test_the_original_gradients_and_buffers_are_left_as_they_were():
         assert torch.equal(p.grad, expected[n]), n
 
 
+def test_parameters_put_in_place_after_the_recorder_are_the_ones_watched_and_replayed():
+    """``load_state_dict(assign=True)`` (as ``fully_shard``) gives the model new parameter
+    objects after the Recorder was made: the watch norms their gradients, and the replay
+    clears and gives back theirs (a list kept from construction gave a norm of 0, and a
+    replay that left the gradients doubled)."""
+    model = zoo(dropout=0.0)
+    rec = gradscope.Recorder(model, every=1000, on_spike=ReplayOptions(window=16, min_history=8))
+    model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+    data = batches()
+    for step, micro in enumerate(data[:SPIKE_AT], start=1):
+        model.zero_grad(set_to_none=True)
+        rec.run(step, closure_for(model, micro, spike=step == SPIKE_AT))
+        live = [p.grad for p in model.parameters()]
+        assert torch.equal(rec.grad_norm, torch.nn.utils.get_total_norm(live)), step
+    assert [r.step for r in rec.watch.flagged] == [SPIKE_AT]
+    rec.close()
+    twin = copy.deepcopy(model)
+    twin.zero_grad(set_to_none=True)
+    closure_for(twin, data[SPIKE_AT - 1], spike=True)()
+    for (n, p), q in zip(model.named_parameters(), twin.parameters()):
+        assert torch.equal(p.grad, q.grad), n
+
+
 def test_a_replay_that_differs_warns_and_says_so_in_a_row():
     model = zoo(dropout=0.0)
     noise = torch.Generator().manual_seed(5)  # not a global generator: the replay draws other numbers

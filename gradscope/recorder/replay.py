@@ -86,14 +86,26 @@ def replay_options(on_spike: str | ReplayOptions | None) -> ReplayOptions | None
     """The options of ``Recorder(on_spike=...)``, or None (no watch).
 
     Raises:
-        ValueError: naming the bad value and the valid ones.
+        ValueError: naming the bad value and the valid ones; or a watch asked for in a
+            process group of several ranks (not supported: each rank would watch its own
+            loss, and a replay that one rank alone runs waits in a collective for good).
     """
-    if on_spike is None or isinstance(on_spike, ReplayOptions):
-        return on_spike
-    if on_spike in ON_SPIKE:
-        return ReplayOptions()
-    raise ValueError(f"on_spike: must be one of {[*ON_SPIKE, None]} or a gradscope.recorder.replay.ReplayOptions, "
-                     f"got {on_spike!r}")
+    if on_spike is None:
+        return None
+    if isinstance(on_spike, ReplayOptions):
+        options = on_spike
+    elif on_spike in ON_SPIKE:
+        options = ReplayOptions()
+    else:
+        raise ValueError(f"on_spike: must be one of {[*ON_SPIKE, None]} or a gradscope.recorder.replay.ReplayOptions, "
+                         f"got {on_spike!r}")
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        raise ValueError(f"on_spike={on_spike!r}: not supported under torch.distributed ({dist.get_world_size()} ranks): "
+                         "each rank watches its own loss, so the ranks would not agree on a replay, and a rank "
+                         "replaying alone would wait in a collective the others never join; use on_spike=None and "
+                         "record on a schedule (every=)")
+    return options
 
 
 @dataclass(frozen=True)
@@ -189,10 +201,17 @@ class SpikeReplay:
     def __init__(self, recorder: Recorder, model: nn.Module, options: ReplayOptions,
                  grad_scale: Callable[[], torch.Tensor | None]) -> None:
         self.recorder, self.model, self.grad_scale = recorder, model, grad_scale
-        self.params = list(model.parameters())
         self.watch = SpikeWatch(options)
         self.grad_norm: torch.Tensor | None = None
         self._rng: RngStates | None = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """The model's parameters now, read live through the Recorder's parameter groups
+        (``fully_shard`` and ``load_state_dict(assign=True)`` put new parameter objects in
+        place: a list kept from construction would give a norm of 0 and a replay that clears
+        the wrong gradients)."""
+        return self.recorder.groups.params
 
     def before(self) -> None:
         """Takes the RNG states, before the step's closure runs."""
@@ -239,9 +258,10 @@ class SpikeReplay:
             raise RuntimeError(f"Recorder: step {step} spiked but its RNG states were not taken before it ran "
                                "(open the step with rec.run or rec.begin_step)")
         after = RngStates()
-        grads = [p.grad for p in self.params]
+        params = self.params
+        grads = [p.grad for p in params]
         buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
-        for p in self.params:
+        for p in params:
             p.grad = None
         self._rng.restore()
         try:
@@ -257,7 +277,7 @@ class SpikeReplay:
                 raise
             rec.end_step()
         finally:
-            for p, g in zip(self.params, grads):
+            for p, g in zip(params, grads):
                 p.grad = g
             with torch.no_grad():
                 for b, saved in buffers:
