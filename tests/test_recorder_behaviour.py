@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 
 import pytest
 import torch
@@ -148,17 +149,31 @@ def test_gradient_accumulation_per_micro_step_and_accumulated():
     assert_rel(pg.value.item(), math.sqrt(sum(p.grad.norm().item() ** 2 for p in model.parameters())))
 
 
-@pytest.mark.parametrize("unscale_first", [False, True])
-def test_grad_scaler_values_are_unscaled(unscale_first):
+@pytest.mark.parametrize("inside", ["nothing", "unscale", "step", "step_update", "step_update_without_optimizer"])
+def test_grad_scaler_values_are_unscaled(inside):
+    """Norms divided by the scale the backward ran with, the parameters' only if still scaled,
+    whatever the loop does inside the step: ``unscale_``, ``scaler.step`` (which unscales in
+    place) and ``scaler.update`` (which doubles the scale here). Without the optimizer the
+    Recorder cannot see ``scaler.step`` and says so when ``update`` ran inside."""
     torch.manual_seed(0)
     model = gradscope.build_model(tiny("pre_ln", "decoder"))
     inputs = batch(model.config)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1)
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
-    with gradscope.record(model, scaler=scaler) as rec:
-        scaler.scale(loss_fn(model, inputs)).backward()
-        if unscale_first:
-            scaler.unscale_(opt)
+    rec = gradscope.Recorder(model, scaler=scaler, optimizer=None if inside.endswith("without_optimizer") else opt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rec.step(0):
+            scaler.scale(loss_fn(model, inputs)).backward()
+            if inside == "unscale":
+                scaler.unscale_(opt)
+            if inside.startswith("step"):
+                scaler.step(opt)
+            if "update" in inside:
+                scaler.update()
+    rec.close()
+    assert scaler.get_scale() == (2048.0 if "update" in inside else 1024.0)
+    assert any("scaler.update() ran inside" in str(w.message) for w in caught) == inside.endswith("without_optimizer")
     df = rec.frame()
     model.zero_grad()
     sites = {n: (m, "output") for n, m in model.named_modules() if isinstance(m, gradscope.Site)}

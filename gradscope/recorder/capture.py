@@ -33,6 +33,7 @@ from __future__ import annotations
 import itertools
 import weakref
 from array import array
+from collections.abc import Callable
 from functools import partial
 
 import torch
@@ -93,6 +94,7 @@ class Capture(SiteObserver):
         self.seq = 0
         self._at_snapshot: tuple[dict | None, int] = (None, 0)  # the call counters and their total at the last snapshot
         self.backwards = 0  # backwards seen in the open recorded step
+        self.after_backward: Callable[[], None] | None = None  # told at the end of each backward of a recorded step
         self.grad_forwards = 0  # forwards of the open recorded step that ran with grad enabled
         self.device: torch.device | None = None
         self.collector: torch.Tensor | None = None
@@ -238,6 +240,8 @@ class Capture(SiteObserver):
             return
         if backward and self.on:
             self.backwards += 1
+            if self.after_backward is not None:
+                self.after_backward()
         grads = self.collector.grad
         # which gradients arrived (kept on the host, as arrays only when the rows are built:
         # host_marks): eagerly, the slots handed over; a compiled backward (the collector's

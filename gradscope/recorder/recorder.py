@@ -51,8 +51,9 @@ from gradscope.recorder.step_runner import StepRunner
 from gradscope.recorder.spike import SpikeDetector
 from gradscope.recorder.store import StepBuffer
 from gradscope.recorder.update_ratio import UpdateRatioHooks
-from gradscope.recorder.wrappers import (DonationOff, DynamoSettings, checked_arguments, dist_rank, grad_scale, loggable,
-                                         no_autocast, params_unscaled, step_index, token_masks, unwrap)
+from gradscope.recorder.wrappers import (DonationOff, DynamoSettings, checked_arguments, dist_rank, loggable,
+                                         no_autocast, step_index, token_masks, unwrap)
+from gradscope.recorder.scaler_watch import ScalerWatch, grad_scale
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table.keys import model_key
 from gradscope.table.rows import RowStore
@@ -141,6 +142,7 @@ class Recorder(RecordedTable, StepRunner):
         config = getattr(model, "config", None)
         self.variant = options.variant or getattr(config, "variant", None) or type(model).__name__
         self.optimizer, self.scaler, self.options = optimizer, scaler, options
+        self._scaler_watch = ScalerWatch(scaler)  # the scale of the step's backward, and whether it was unscaled since
         self.cosine_tokens, self.reduction = options.cosine_tokens, options.reduction
         self.rank = options.rank if options.rank is not None else dist_rank()
         self._generator = torch.Generator().manual_seed(options.seed)
@@ -158,6 +160,8 @@ class Recorder(RecordedTable, StepRunner):
                                 value_stats=[self._quantities[n].site_value for n in self._value_stats],
                                 grad_stats=[self._quantities[n].site_grad for n in self._grad_stats])
         self._capture.install(frozenset().union(*(q.captures for q in self._quantities.values())))
+        if self._scaler_watch.scaler is not None:  # (the scale each backward ran with: recorder/scaler_watch.py)
+            self._capture.after_backward = self._scaler_watch.backward_ended
         self._checks = StepChecks(model, self.layout, self._capture.points, options.max_calls, self._capture.grad_expected)
         self._wants: set[str] = set()
         self._buffer: StepBuffer | None = None
@@ -184,6 +188,7 @@ class Recorder(RecordedTable, StepRunner):
         loop's own ``log("lr", ...)`` unless the optimizer was given to the constructor.
         """
         self.optimizer = optimizer
+        self._scaler_watch.attach(optimizer)
         self._updates.remove()
         if "update_ratio" in self.quantities:
             self._updates.attach(optimizer)
@@ -241,6 +246,7 @@ class Recorder(RecordedTable, StepRunner):
         captures = set().union(*(self._quantities[q].captures for q in self._wants))
         stats = any(n in self._wants for n in self._value_stats + self._grad_stats)
         self._buffer = StepBuffer()
+        self._scaler_watch.begin()
         self._capture.begin(self._device(), captures, cosine_tokens=self.cosine_tokens, generator=self._generator,
                             stats=stats)
         DonationOff.take(self._donation_off)  # (a recorded graph's backward may run twice: wrappers.py)
@@ -260,12 +266,14 @@ class Recorder(RecordedTable, StepRunner):
                 self._finish(step, self._wants)
         finally:
             self._capture.on = False
+            self._scaler_watch.end()
             self._step, self._buffer, self._recording = None, None, False
             DonationOff.give_back(self._donation_off)
 
     def abort_step(self) -> None:
         """Discards the open step (after an exception): nothing stored."""
         self._capture.discard()
+        self._scaler_watch.end()
         self._updates.pending = None
         self._step, self._buffer, self._recording = None, None, False
         DonationOff.give_back(self._donation_off)
@@ -305,7 +313,7 @@ class Recorder(RecordedTable, StepRunner):
         buf = self._buffer
         with no_autocast(self._capture.device):  # leaving the step inside autocast must not lower precision
             snapshots, calls = self._capture.end()
-            scale = self._grad_scale()
+            scale = self._scaler_watch.step_scale()  # (the backward's: scaler.update() may have run since)
             if scale is not None:
                 buf.add(model_key(SCALE), scale)
             ctx = StepContext(step, self.model, self.layout, self.groups, self.optimizer, self._lr_from_optimizer,
@@ -316,7 +324,8 @@ class Recorder(RecordedTable, StepRunner):
                     quantity.collect(ctx)
             buf.add_block("snapshots", [t for g, f, _, _ in snapshots for t in (g, f)], (len(snapshots), -1))
             values = buf.transfer()  # the one host transfer of this step
-        host = (values, [(m, r) for _, _, m, r in snapshots], wants, calls, params_unscaled(self.scaler),
+        host = (values, [(m, r) for _, _, m, r in snapshots], wants, calls,
+                self._scaler_watch.params_unscaled(self._checks.warn_once),
                 self._capture.backwards, self._capture.grad_forwards)
         self._late.step(step, host, now=not self._checks.ever_seen)  # (until a hook fired: checked now)
 
@@ -350,6 +359,7 @@ class Recorder(RecordedTable, StepRunner):
         self._release_settings()  # once, whatever calls it first
         self._capture.remove()
         self._updates.remove()
+        self._scaler_watch.remove()
         self._closed = True
         try:
             self._late.drain()

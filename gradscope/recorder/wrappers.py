@@ -223,24 +223,6 @@ def loggable(quantity: str, value, *, lr_from_optimizer: bool) -> str:
     return quantity
 
 
-def grad_scale(scaler) -> torch.Tensor | None:
-    """A ``torch.amp.GradScaler``'s current scale as a 0-d fp32 tensor (no host sync), or None
-    without an enabled scaler."""
-    if scaler is None or not scaler.is_enabled():
-        return None
-    return scaler._get_scale_async().detach().float().reshape(())
-
-
-def params_unscaled(scaler) -> bool:
-    """Whether the user already called ``scaler.unscale_(optimizer)`` this step (True without
-    an enabled scaler)."""
-    if scaler is None or not scaler.is_enabled():
-        return True
-    from torch.amp.grad_scaler import OptState
-
-    return any(s.get("stage") is OptState.UNSCALED for s in scaler._per_optimizer_states.values())
-
-
 def token_masks(model: nn.Module, stacks: list[str], forward_params: list[str], args: tuple,
                 kwargs: dict) -> dict[str, torch.Tensor]:
     """Stack -> (B, T) bool mask of real tokens for ``cosine``, asked of the model
