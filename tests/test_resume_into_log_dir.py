@@ -10,7 +10,9 @@ import warnings
 
 import numpy as np
 import pandas as pd
+import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 import gradscope
@@ -141,3 +143,36 @@ def test_a_row_logged_later_for_a_flushed_step_adds_to_it(tmp_path):
     assert len(after) == len(before) + 1
     rec.close()
     pd.testing.assert_frame_equal(_sorted(rec.frame()), _sorted(gradscope.load(tmp_path / "run")))
+
+
+@pytest.mark.parametrize("flush_every", [10, 2])
+def test_a_step_written_twice_is_read_from_its_last_write_in_one_part_or_two(tmp_path, flush_every):
+    """A loop that records step 1 twice (and logs a value for step 2 twice): ``gradscope.load``
+    and ``rec.frame()`` keep each (step, quantity) from its last write, whether both writes
+    went into one part file (``flush_every=10``) or two (``flush_every=2``)."""
+    torch.manual_seed(0)
+    model = gradscope.build_model(gradscope.presets.tiny(variant="pre_ln", arch="decoder"))
+    rec = gradscope.Recorder(model, log_dir=tmp_path / "run", flush_every=flush_every)
+    g = torch.Generator().manual_seed(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the repeated step is warned of: checked elsewhere)
+        for i, step in enumerate([0, 1, 1, 2]):
+            tokens = torch.randint(3, 64, (4, 8), generator=g)
+            with rec.step(step):
+                F.cross_entropy(model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten()).backward()
+                rec.log("myval", 100.0 + i)
+            model.zero_grad(set_to_none=True)
+        rec.log("val_loss", 1.0, step=2)
+        rec.log("val_loss", 2.0, step=2)
+        in_frame = rec.frame()
+    rec.close()
+    loaded = gradscope.load(tmp_path / "run")
+    for df in (in_frame, loaded):
+        mine = df[df.quantity == "myval"].sort_values("step")
+        assert list(zip(mine.step, mine.value)) == [(0, 100.0), (1, 102.0), (2, 103.0)]
+        assert df[df.quantity == "val_loss"].value.tolist() == [2.0]
+        counts = df[df.quantity != "val_loss"].groupby("step").size()
+        assert counts[0] == counts[1] == counts[2], counts.to_dict()
+    key = ["step", "micro_step", "stack", "layer", "site", "quantity", "layer_j", "role"]
+    pd.testing.assert_frame_equal(in_frame.sort_values(key).reset_index(drop=True),
+                                  loaded.sort_values(key).reset_index(drop=True), check_like=True)

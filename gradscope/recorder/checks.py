@@ -73,8 +73,9 @@ class StepChecks:
         last = self.last_recorded
         if last is not None and step <= last:
             self.warn_once("repeat", f"step {step} recorded after step {last}: step indices should increase, or the "
-                           "table holds a step twice (rec.frame() keeps both; gradscope.load(log_dir) keeps the last "
-                           "write of each step). Pass the global step to rec.step(). Not reported again.")
+                           "table holds a step twice (a Recorder without log_dir keeps both in rec.frame(); with log_dir, "
+                           "rec.frame() and gradscope.load keep the last write of each step and quantity). Pass the "
+                           "global step to rec.step(). Not reported again.")
         self.last_recorded = step if last is None else max(step, last)
         if not self.ever_seen:  # (a walk over the parameters: only until a hook has fired)
             self._grad_versions = grad_versions(self.model)

@@ -98,8 +98,9 @@ class ParquetSink(Sink):
         self._buffer.append(step, keys, values)
 
     def pending(self) -> pd.DataFrame:
-        """The buffered rows, not yet on disk, as a table."""
-        return self._buffer.frame(**vars(self.info))
+        """The buffered rows, not yet on disk, as a table: each (step, quantity) from its last
+        write, as ``gradscope.load`` keeps them across parts (:meth:`RowStore.newest_writes`)."""
+        return self._buffer.newest_writes().frame(**vars(self.info))
 
     def flush(self) -> None:
         """Writes the buffered rows as one part file (nothing when the buffer is empty)."""

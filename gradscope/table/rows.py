@@ -56,6 +56,32 @@ class RowStore:
         """Steps present, in recording order."""
         return [s for s, _, _ in self._chunks]
 
+    def newest_writes(self) -> "RowStore":
+        """The rows with each (step, quantity) from the last append that wrote it, as
+        ``gradscope.load`` keeps them across part files: a step recorded again (a loop that
+        repeats a step index) or a value logged again for a step replaces the earlier rows
+        of its quantities. ``self`` when no step was appended twice (the usual case)."""
+        steps = self.steps()
+        if len(set(steps)) == len(steps):
+            return self
+        codes: dict[str, int] = {}
+        quantity_of = np.array([codes.setdefault(k.quantity, len(codes)) for k in self._keys], dtype=np.int64)
+        seen: set[tuple[int, int]] = set()
+        kept = []
+        for step, ids, values in reversed(self._chunks):
+            quantities = quantity_of[ids]
+            written = {(step, q) for q in np.unique(quantities).tolist()}
+            replaced = [q for s, q in written & seen]
+            if replaced:
+                keep = ~np.isin(quantities, replaced)
+                ids, values = ids[keep], values[keep]
+            seen |= written
+            if len(ids):
+                kept.append((step, ids, values))
+        out = RowStore()
+        out._key_index, out._keys, out._chunks = self._key_index, self._keys, kept[::-1]
+        return out
+
     def state_dict(self) -> dict:
         """Keys and chunks as lists and tensors, safe for ``torch.load(weights_only=True)``."""
         return {
