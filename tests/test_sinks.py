@@ -215,3 +215,14 @@ def test_wandb_sink_offline_reads_back_equal_to_the_frame(tmp_path, monkeypatch)
     assert got.keys() == want.keys()
     np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-12)
     assert ("act_grad_norm/decoder.layers.0.out", 2) in got and ("loss/total", 2) in got
+
+
+def test_a_log_dir_that_cannot_be_written_is_refused_when_the_recorder_is_made(tmp_path):
+    """Not at the first flush, ``flush_every`` steps into the run: the error names log_dir,
+    and the model is left without the recorder's hooks."""
+    (tmp_path / "afile").write_text("not a folder")
+    model = _model()
+    with pytest.raises(NotADirectoryError, match=r"log_dir: cannot write into .*afile/sub"):
+        gradscope.Recorder(model, log_dir=tmp_path / "afile" / "sub")
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]

@@ -29,6 +29,7 @@ import atexit
 import itertools
 import os
 import secrets
+import tempfile
 import time
 import warnings
 from pathlib import Path
@@ -73,7 +74,12 @@ class ParquetSink(Sink):
         super().open(info)
         if self.log_dir.exists() and not self.log_dir.is_dir():
             raise NotADirectoryError(f"log_dir: {self.log_dir} exists and is not a folder")
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        try:  # (a folder that cannot be written would fail only at the first flush, steps later)
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=self.log_dir, prefix=".gradscope-write-check-"):
+                pass
+        except OSError as e:
+            raise OSError(e.errno, f"log_dir: cannot write into {self.log_dir}: {e.strerror or e}") from e
         self._on_disk = _last_step_on_disk(self.log_dir, info.rank)
         self._earlier = sorted(self.log_dir.glob(f"part-r{info.rank}-*.parquet"))  # a run resumed into log_dir
         atexit.register(self.flush)
