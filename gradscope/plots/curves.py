@@ -156,5 +156,4 @@ def w_over_sigma_curves(
     ax.set_xlabel("optimizer step (0 = init)")
     ax.set_ylabel("mean w/σ over all norms (dimensionless)")
     ax.legend(fontsize="small")
-    ax.set_title(f"{title}\nmean over every LayerNorm of both stacks", fontsize="medium")
-    return ax
+    return _style.finish(ax, title, ["mean over every norm of the run"])

@@ -6,6 +6,7 @@ Xu (2020) Table 2 (w/σ), Nguyen & Salazar (2019) (ScaleNorm g vs depth).
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 import numpy as np
@@ -245,7 +246,8 @@ def embed_grad_vs_depth(
     """‖∂L/∂h‖₂ at ``encoder.embed.out`` against encoder depth, one point per run (Wang 2019 §5).
 
     Args:
-        df: tidy table with ``act_grad_norm`` rows at step 0; not modified.
+        df: tidy table with ``act_grad_norm`` rows; each run's first step is drawn (at
+            initialisation, as Wang §5); not modified.
         runs: the runs of the depth sweep (each run's depth is its number of encoder layers).
         ax: Axes to draw on.
         title: first title line.
@@ -255,7 +257,7 @@ def embed_grad_vs_depth(
     """
     ax = _style.get_ax(ax)
     data = S.rows(df, quantity="act_grad_norm", stack="encoder", role="embed")
-    data = S.one_per_point(data.loc[data["run"].isin(runs)])
+    data, steps = _points(data.loc[data["run"].isin(runs)], "first", "act_grad_norm at encoder.embed.out")
     depth = {r: S.layer_depth(S.rows(df, run=r), "encoder") for r in runs}
     data = data.assign(depth=data["run"].map(depth)).sort_values("depth")
     ax.plot(data["depth"].to_numpy(float), data["value"].to_numpy(float), marker="o", label="post_ln")
@@ -263,8 +265,7 @@ def embed_grad_vs_depth(
     ax.set_xlabel("encoder layers N")
     ax.set_ylabel("‖∂L/∂h‖₂ at encoder.embed.out (loss: mean over tokens, nats)")
     ax.legend(fontsize="small")
-    ax.set_title(f"{title}\nencoder.embed.out · step 0", fontsize="medium")
-    return ax
+    return _style.finish(ax, title, ["encoder.embed.out", _style.step_note(steps)])
 
 
 GAIN_SUBLAYERS: tuple[tuple[str, str], ...] = (
@@ -276,37 +277,51 @@ def ln_gains(
     df: pd.DataFrame,
     *,
     stack: str = "decoder",
+    step: StepSpec = "first",
     ax: Axes | None = None,
     title: str | None = None,
 ) -> Axes:
     """``ln_gain`` = ‖grad in‖/‖grad out‖ of each in-layer norm against layer (Takase 2022 §3).
 
-    One line per sub-layer's norm (:data:`GAIN_SUBLAYERS`), a dashed line at gain 1; the
+    One line per sub-layer's norm (:data:`GAIN_SUBLAYERS` in a zoo model; in another model,
+    one line per norm name inside a layer, as ``ln_1``), a dashed line at gain 1; the
     stack's final norm is left out.
 
     Args:
         df: tidy table with ``ln_gain`` rows of one run; not modified.
-        stack: ``"encoder"`` or ``"decoder"``.
+        stack: the layer stack (``"encoder"`` or ``"decoder"`` in a zoo model; a foreign
+            model's stack is its blocks' path, as ``"transformer.h"``).
+        step: step, or ``"first"`` (default: at initialisation, as Takase §3) or ``"last"``.
         ax: Axes to draw on.
-        title: first title line.
+        title: first title line; the step follows automatically.
 
     Returns:
         The Axes.
+
+    Raises:
+        ValueError: no ``ln_gain`` rows of ``stack``'s layers (naming the stacks that have some).
     """
     ax = _style.get_ax(ax)
     gains = S.rows(df, quantity="ln_gain", stack=stack)
     gains = gains.loc[gains["layer"].notna()]  # the layers' norms, not the final norm
-    part = S.sublayer(gains["site"])  # an ln_gain row's site is its norm's module name
-    for label, name in GAIN_SUBLAYERS:
-        pts = S.one_per_point(gains.loc[part == label]).sort_values("layer")
-        ax.plot(pts["layer"].to_numpy(float), pts["value"].to_numpy(float), marker="o", markersize=3, label=name)
+    if gains.empty:
+        having = sorted(set(S.rows(df, quantity="ln_gain").dropna(subset=["layer"])["stack"]))
+        raise ValueError(f"ln_gains: no ln_gain rows of the layers of stack {stack!r}; stacks with some: {having}")
+    points, steps = _points(gains, step, f"ln_gain in {stack}")
+    part = S.sublayer(points["site"])  # an ln_gain row's site is its norm's module name
+    lines = [(part == label, name) for label, name in GAIN_SUBLAYERS if (part == label).any()]
+    if not lines:  # not a zoo model: one line per norm name inside a layer (``transformer.h.3.ln_1`` -> ``ln_1``)
+        inside = points["site"].str.replace(rf"^{re.escape(stack)}\.(layers\.)?\d+\.", "", regex=True)
+        lines = [(inside == name, name) for name in sorted(set(inside))]
+    for chosen, name in lines:
+        pts = points.loc[chosen].groupby("layer")["value"].mean()
+        ax.plot(pts.index.to_numpy(float), pts.to_numpy(float), marker="o", markersize=3, label=name)
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1, label="gain = 1")
     ax.set_xlabel(f"{stack} layer")
     _style.integer_x(ax)
     ax.set_ylabel("‖∂L/∂x_in‖₂ / ‖∂L/∂x_out‖₂ of the norm (ratio)")
     ax.legend(fontsize="small")
-    ax.set_title(f"{title}\nstep 0 · below 1: the norm shrinks the gradient", fontsize="medium")
-    return ax
+    return _style.finish(ax, title, [_style.step_note(steps), "below 1: the norm shrinks the gradient"])
 
 
 def scan_layers(layers: pd.DataFrame, *, ax: Axes | None = None, title: str | None = None) -> Axes:
