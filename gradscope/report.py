@@ -199,7 +199,10 @@ def run(args: argparse.Namespace) -> int:
     if not args.run_dir.exists():
         raise SystemExit(f"gradscope report: no such file or folder: {args.run_dir}")
     out = args.out or args.run_dir / "report"
-    summary = report(args.run_dir, out, progress=not args.no_progress, max_bins=args.max_bins)
+    try:
+        summary = report(args.run_dir, out, progress=not args.no_progress, max_bins=args.max_bins)
+    except (ValueError, OSError) as err:  # (an unreadable part, a table that is not gradscope's: said in one line)
+        raise SystemExit(f"gradscope report: {err}") from err
     print(summary.read_text())
     print(f"wrote {summary} and its figures")
     return 0

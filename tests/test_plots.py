@@ -355,3 +355,34 @@ def test_ax_none_uses_current_axes():
         assert plots.layer_norms(grad_table()) is ax
     finally:
         plt.close(fig)
+
+
+def gain_table(stack: str, names: dict[str, str], steps=(0, 5)) -> pd.DataFrame:
+    """ln_gain rows of 3 layers: value = 10·step + layer + offset of the norm (``names``:
+    site of layer i as a format string -> offset)."""
+    rows = [dict(run="r", variant="v", step=step, stack=stack, layer=i, site=site.format(i - 1), role="norm",
+                 quantity="ln_gain", value=10.0 * step + i + offset)
+            for step in steps for i in (1, 2, 3) for site, offset in names.items()]
+    rows.append(dict(run="r", variant="v", step=0, stack=stack, site=f"{stack}.final_norm", role="norm",
+                     quantity="ln_gain", value=99.0))  # the stack's final norm (no layer): left out
+    return make_frame(rows)
+
+
+@pytest.mark.parametrize("step, base", [("first", 0.0), ("last", 50.0), (5, 50.0)])
+def test_ln_gains_draws_one_step_per_line(ax, step, base):
+    df = gain_table("decoder", {"decoder.layers.{}.self_attn.norm": 0.1, "decoder.layers.{}.ffn.norm": 0.3})
+    plots.ln_gains(df, stack="decoder", step=step, ax=ax)
+    drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    assert drawn["LN1 (after SA)"] == pytest.approx([base + 1.1, base + 2.1, base + 3.1])
+    assert drawn["LN3 (after FFN)"] == pytest.approx([base + 1.3, base + 2.3, base + 3.3])
+    assert "LN2 (after CA)" not in drawn  # (no cross-attention in this stack: no empty line)
+    assert ax.get_title().startswith(f"step {0 if step == 'first' else 5}")
+
+
+def test_ln_gains_of_a_foreign_model_draws_each_norm_name_and_names_the_stacks(ax):
+    df = gain_table("transformer.h", {"transformer.h.{}.ln_1": 0.1, "transformer.h.{}.ln_2": 0.2})
+    plots.ln_gains(df, stack="transformer.h", ax=ax)
+    drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
+    assert drawn["ln_1"] == pytest.approx([1.1, 2.1, 3.1]) and drawn["ln_2"] == pytest.approx([1.2, 2.2, 3.2])
+    with pytest.raises(ValueError, match=r"stack 'decoder'.*\['transformer.h'\]"):
+        plots.ln_gains(df, ax=ax)

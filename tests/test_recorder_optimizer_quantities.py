@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from contextlib import nullcontext
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -154,6 +155,14 @@ def test_log_of_a_tensor_that_is_not_a_scalar_names_the_quantity():
     with pytest.raises(ValueError, match=r"Recorder.log\('loss', ...\): the value must be a scalar.*\(3,\)"):
         with rec.step(0):
             rec.log("loss", torch.ones(3))
+    with pytest.raises(ValueError, match=r"Recorder.log\('val', ...\): the value must be a scalar.*ndarray of shape \(2,\)"):
+        rec.log("val", np.ones(2), step=0)
     with pytest.raises(ValueError, match="every: must be an integer >= 1, got True"):
         gradscope.Recorder(model, every=True)
+    with rec.step(1):  # one element of any kind is a scalar
+        rec.log("loss", np.array([2.5]))
+        rec.log("loss", torch.tensor([[1.5]]))
+    rec.log("val", np.array([0.5]), step=1)
     rec.close()
+    logged = rec.frame().query("quantity in ['loss', 'val'] and step == 1")
+    assert sorted(logged.value) == [0.5, 1.5, 2.0, 2.5]  # (two micro-steps of loss and their mean)

@@ -63,3 +63,14 @@ def test_save_refuses_a_suffix_that_is_not_parquet(tmp_path, name):
     assert list(tmp_path.iterdir()) == []
     gradscope.save_frame(df, tmp_path / "run.parquet")
     assert len(gradscope.load(tmp_path / "run.parquet")) == len(df)
+
+
+def test_report_of_an_unreadable_part_says_which_file_in_one_line(tmp_path):
+    from gradscope.report import main
+
+    bad = tmp_path / "run" / "part-r0-0000000000-0000000001-abcd.parquet"
+    bad.parent.mkdir()
+    bad.write_bytes(b"PAR1 not a parquet file")
+    with pytest.raises(SystemExit, match=r"^gradscope report: .*part-r0-0000000000-0000000001-abcd.parquet"):
+        main([str(bad.parent), "--out", str(tmp_path / "out"), "--no-progress"])
+    assert not (tmp_path / "out").exists()

@@ -291,9 +291,12 @@ class Recorder(RecordedTable, StepRunner):
         in one step (once per micro-batch), a quantity gets rows with micro_step 0, 1, ...
         and their mean as the step's row (micro_step -1).
         """
-        if isinstance(value, torch.Tensor) and value.numel() != 1:
-            raise ValueError(f"Recorder.log({quantity!r}, ...): the value must be a scalar (a number, or a tensor of "
-                             f"one element), got a tensor of shape {tuple(value.shape)}")
+        elements = value.numel() if isinstance(value, torch.Tensor) else value.size if isinstance(value, np.ndarray) else 1
+        if elements != 1:
+            raise ValueError(f"Recorder.log({quantity!r}, ...): the value must be a scalar (a number, or a tensor or "
+                             f"array of one element), got {type(value).__name__} of shape {tuple(value.shape)}")
+        if isinstance(value, np.ndarray):
+            value = value.item()  # (one element: np.array([2.5]))
         key = model_key(loggable(quantity, value, lr_from_optimizer=self._lr_from_optimizer))
         if self._buffer is not None and step in (None, self._step):
             if isinstance(value, torch.Tensor):
