@@ -103,6 +103,9 @@ def global_rows(df: pd.DataFrame, world_size: int | None = None, reduction: str 
     if reduction not in (None, "mean", "sum"):
         raise ValueError(f"reduction: must be 'mean', 'sum' or None, got {reduction!r}")
     for q in extra:
+        if not isinstance(q, Quantity):
+            made = f" (a class: pass an instance, {q.__name__}())" if isinstance(q, type) else ""
+            raise TypeError(f"global_rows: extra holds {q!r}, not a gradscope.Quantity instance{made}")
         q.check()
     rules = {n: RANK_RULES[n] for n in quantities if n in RANK_RULES}
     rules.update({q.name: q.across_ranks for q in extra})

@@ -257,3 +257,42 @@ def test_contract_mistakes_are_named():
         class Typo(MaxAbs):
             across_ranks = "maximum"
         global_rows(gradscope.table.make_frame([dict(step=0, quantity="act_max_abs", value=1.0)]), extra=(Typo(),))
+
+
+def test_the_review_s_contract_mistakes_are_named_where_they_are_made():
+    """A ``rows()`` that returns no (Key, float) rows (it broke every later ``frame()``),
+    ``captures`` given as a string, a class passed to ``global_rows``, and a ``site_grad``
+    that returns more than one number (its site is named, as ``site_value``'s is)."""
+    class BadRows(gradscope.Quantity):
+        name = "bad_rows"
+
+        def rows(self, data):
+            return [("x", 1.0)]
+
+    class OneCapture(MaxAbs):
+        name = "one_capture"
+        captures = "value"
+
+    class GradSlice(GradRms):
+        name = "grad_slice"
+
+        def site_grad(self, g):
+            return g.flatten()[:3]
+
+    model = NanoGPT()
+    idx = torch.randint(0, 32, (2, 7))
+    rec = gradscope.Recorder(model, quantities=["act_norm", BadRows()])
+    with pytest.raises(TypeError, match=r"BadRows.rows: row 0 is \('x', 1.0\); each row is \(Key, float\)"):
+        with rec.step(0):
+            _loss(model, idx).backward()
+    rec.close()
+    with pytest.raises(ValueError, match=r"OneCapture.captures: a set of capture names, as frozenset\(\{'value'\}\)"):
+        gradscope.Recorder(model, quantities=[OneCapture()])
+    with pytest.raises(TypeError, match=r"a class: pass an instance, MaxAbs\(\)"):
+        global_rows(gradscope.table.make_frame([dict(run="r", variant="v", step=0, quantity="act_max_abs", value=1.0)]),
+                    extra=(MaxAbs,))
+    rec = gradscope.Recorder(model, quantities=[GradSlice()])
+    with pytest.raises(TypeError, match=r"GradSlice.site_grad at site '.+': must return a 0-d tensor"):
+        with rec.step(0):
+            _loss(model, idx).backward()
+    rec.close()

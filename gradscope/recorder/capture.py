@@ -114,7 +114,8 @@ class Capture(SiteObserver):
         self.pending_sq: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖h‖²): site values, eagerly
         self.value_sq = Reused()  # eagerly, ‖h‖² once for a value two sites receive in a row
         self.values = NormBatch()  # eagerly, site values of a model that promises no in-place op after a site
-        self.eager = EagerGrads(self.snapshot, lambda: self.on, self.n_taps)  # eager gradient norms (node hooks, Taps' norms)
+        self.eager = EagerGrads(self.snapshot, lambda: self.on, self.n_taps,  # eager gradient norms (node hooks, Taps' norms)
+                                lambda slot: f"site {self.points[slot // self.K].name!r}")
         self._traced, self._eager_writer = TracedWriter(self), EagerWriter(self)
         plan = plan_sites(model, layout)  # how each site is read (recorder/site_plan.py)
         self._norm_kind, self._norm_in, self._taps = plan.norm_kind, plan.norm_in, plan.taps

@@ -69,8 +69,10 @@ class EagerGrads:
         taps: the collector's slots per channel (user statistic k goes to ``slot + k·taps``).
     """
 
-    def __init__(self, on_backward_end: Callable[[], None], is_on: Callable[[], bool], taps: int = 0) -> None:
+    def __init__(self, on_backward_end: Callable[[], None], is_on: Callable[[], bool], taps: int = 0,
+                 site_of: Callable[[int], str] = lambda slot: "a site") -> None:
         self._is_on = is_on
+        self._site_of = site_of  # slot -> "site 'name'", for a user statistic's error
         self._taps = taps
         self.stats: tuple = ()  # the wanted quantities' ``site_grad`` in this step
         self.pending: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d value) of the user statistics
@@ -142,7 +144,7 @@ class EagerGrads:
                 list(map(setattr, tensors, itertools.repeat("grad"), itertools.repeat(None)))
                 self.grads.add_many(slots, grads, short=True)  # (retained: short, strided)
                 if self.stats:
-                    self.pending += [(slot + (k + 1) * self._taps, statistic(f, g))
+                    self.pending += [(slot + (k + 1) * self._taps, statistic(f, g, partial(self._site_of, slot)))
                                      for slot, g in zip(slots, grads) for k, f in enumerate(self.stats)]
         return self.grads.take()
 
@@ -192,7 +194,8 @@ class EagerGrads:
         hands them to the capture."""
         self.grads.add(slot, grad)
         if self.stats:
-            self.pending += [(slot + (k + 1) * self._taps, statistic(f, grad)) for k, f in enumerate(self.stats)]
+            where = partial(self._site_of, slot)
+            self.pending += [(slot + (k + 1) * self._taps, statistic(f, grad, where)) for k, f in enumerate(self.stats)]
         if not self._queued:
             self._queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)

@@ -9,9 +9,10 @@ from array import array
 
 import numpy as np
 
-from gradscope.recorder.capture import FWD, REACHED, REACHED_IF_TAPPED
+from gradscope.recorder.capture import REACHED, REACHED_IF_TAPPED
+from gradscope.recorder.observe import FWD
 from gradscope.recorder.norm_stats import GUESSED, LOW_PRECISION, UNTOLD
-from gradscope.recorder.quantity import Quantity
+from gradscope.recorder.quantity import Quantity, checked_rows
 from gradscope.recorder.step_data import StepData
 from gradscope.table.keys import Key
 
@@ -138,7 +139,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     rows: list = []
     for name, quantity in quantities.items():
         if name in wants and not quantity.logged:
-            rows += quantity.rows(data)
+            rows += checked_rows(quantity, quantity.rows(data))
     for name, extra in device.items():  # what the loop logged itself, wanted or not
         if name not in quantities or quantities[name].logged:
             rows += _per_micro(extra)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import difflib
 import math
 import re
+from collections.abc import Callable
 from typing import TYPE_CHECKING, ClassVar
 
 import numpy as np
@@ -169,6 +170,9 @@ class Quantity:
             raise ValueError(f"{kind}: defines both site_value and site_grad, whose rows would both be quantity "
                              f"{self.name!r} at the same sites and could not be told apart: make two quantities, "
                              "one with each (or write rows() to name them)")
+        if isinstance(self.captures, str):  # (set("value") would be its letters)
+            raise ValueError(f"{kind}.captures: a set of capture names, as frozenset({{{self.captures!r}}}), got the "
+                             f"string {self.captures!r}; valid names: {list(CAPTURES)}")
         bad = sorted(set(self.captures) - set(CAPTURES))
         if bad:
             raise ValueError(f"{kind}.captures: unknown {bad}; valid: {list(CAPTURES)}")
@@ -181,8 +185,11 @@ class Quantity:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-def statistic(f, t: torch.Tensor, where: str = "a site") -> torch.Tensor:
+def statistic(f, t: torch.Tensor, where: str | Callable[[], str] = "a site") -> torch.Tensor:
     """``f(t)`` (a quantity's ``site_value`` or ``site_grad``) as a 0-d fp32 tensor.
+
+    ``where`` names the site in an error: a string, or a function that makes it (called only
+    then, so a hook in backward builds no string per site).
 
     Raises:
         TypeError: naming the quantity, the method and ``where``, when it is not a
@@ -192,9 +199,32 @@ def statistic(f, t: torch.Tensor, where: str = "a site") -> torch.Tensor:
     if not isinstance(v, torch.Tensor) or v.numel() != 1:
         q = getattr(f, "__self__", None)
         got = f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
+        where = where if isinstance(where, str) else where()
         raise TypeError(f"{type(q).__name__}.{getattr(f, '__name__', 'statistic')} at {where}: must return a 0-d "
                         f"tensor (one number per site and call, from tensor ops), got {got}")
     return v.float().reshape(())
+
+
+def checked_rows(quantity: Quantity, rows: list) -> list[Row]:
+    """``quantity.rows(data)``'s result, checked when the quantity is a user's (a class
+    defined outside gradscope): a list of (:class:`~gradscope.table.keys.Key`, number)
+    pairs. A wrong row would otherwise pass the step and break every later ``frame()``.
+
+    Raises:
+        TypeError: naming the quantity and the first bad row.
+    """
+    if type(quantity).__module__.startswith("gradscope."):
+        return rows
+    if not isinstance(rows, list):
+        raise TypeError(f"{type(quantity).__name__}.rows: must return a list of (Key, float) rows, got "
+                        f"{type(rows).__name__}")
+    for i, row in enumerate(rows):
+        ok = (isinstance(row, tuple) and len(row) == 2 and isinstance(row[0], Key)
+              and isinstance(row[1], (int, float, np.integer, np.floating)) and not isinstance(row[1], bool))
+        if not ok:
+            raise TypeError(f"{type(quantity).__name__}.rows: row {i} is {row!r}; each row is (Key, float), as "
+                            "data.site_rows(...) and the keys of collect() give them (gradscope.table.keys.Key)")
+    return rows
 
 
 def combine(values: np.ndarray, how: str, axis: int = 0) -> np.ndarray:
