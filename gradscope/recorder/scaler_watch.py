@@ -11,7 +11,9 @@ optimizer, just before its ``step`` (``scaler.step`` unscales, then steps, then 
 optimizer STEPPED; an optimizer that unscales inside its own fused step never shows
 UNSCALED and leaves the gradients scaled). An ``update`` inside the step replaces the
 stages; without the optimizer's hook the Recorder then cannot tell whether the gradients
-were unscaled, takes them as unscaled (``scaler.step``'s usual path) and says so once.
+were unscaled, takes them as unscaled (``scaler.step``'s usual path) and says so once; an
+attached optimizer whose step was not seen skipped it (inf or NaN gradients, after
+``scaler.step`` unscaled them).
 """
 
 from __future__ import annotations
@@ -93,12 +95,21 @@ class ScalerWatch:
         """
         if self.scaler is None or params_unscaled(self.scaler) or self._unscaled_at_step:
             return True
-        if self._stepped or self._stages is None or self.scaler._per_optimizer_states is self._stages:
+        if self._stepped:  # the optimizer's step began with them scaled: a fused step unscales inside
             return False
-        warn("scaler_update_inside", "scaler.update() ran inside the recorded step and the Recorder has no optimizer "
-             "to see whether scaler.step() unscaled the gradients: param_grad_norm takes them as unscaled (as "
-             "scaler.step does before a plain optimizer's step); give the Recorder the optimizer "
-             "(Recorder(..., optimizer=opt)) or call scaler.step/update after the step")
+        from torch.amp.grad_scaler import OptState
+
+        stepped = any(s.get("stage") is OptState.STEPPED for s in self.scaler._per_optimizer_states.values())
+        updated = self._stages is not None and self.scaler._per_optimizer_states is not self._stages
+        if not (stepped or updated):
+            return False
+        # scaler.step ran inside the step (update() may have cleared its mark since) and no optimizer
+        # step was seen: the optimizer skipped it (inf/NaN gradients), or the Recorder has no optimizer
+        if self._handle is None:
+            warn("scaler_step_inside", "scaler.step() ran inside the recorded step and the Recorder has no optimizer "
+                 "to see whether it unscaled the gradients: param_grad_norm takes them as unscaled (as scaler.step "
+                 "does before a plain optimizer's step); give the Recorder the optimizer "
+                 "(Recorder(..., optimizer=opt)) or call scaler.step/update after the step")
         return True
 
     def end(self) -> None:
