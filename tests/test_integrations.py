@@ -201,3 +201,60 @@ def test_hf_loss_rows_are_the_step_s_own_loss_or_none(tmp_path, logging_steps):
     else:
         assert loss.empty
         assert any("logging_steps=2" in str(w.message) for w in caught)
+
+
+def _fit(lightning, callback, *, batches: int, accumulate: int, validate: bool = False, max_steps: int = -1, losses=None):
+    """Fits a seeded tiny LitLM on ``batches`` batches of 4 for one epoch (validating after
+    every batch when ``validate``); returns the module."""
+    torch.manual_seed(0)
+    base = _lit_lm(lightning, losses)
+
+    class WithValidation(base):
+        def validation_step(self, batch, batch_idx):
+            (tokens,) = batch
+            return F.cross_entropy(self.model(tokens[:, :-1]).flatten(0, 1), tokens[:, 1:].flatten())
+
+    module = WithValidation()
+    tokens = torch.randint(3, 40, (4 * batches, 9), generator=torch.Generator().manual_seed(0))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens), batch_size=4)
+    val = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(tokens[:4]), batch_size=4)
+    trainer = lightning.Trainer(max_epochs=1, max_steps=max_steps, accelerator="cpu", logger=False,
+                                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                                callbacks=[callback], accumulate_grad_batches=accumulate,
+                                limit_val_batches=1 if validate else 0, val_check_interval=1 if validate else None,
+                                num_sanity_val_steps=0)
+    trainer.fit(module, loader, val if validate else None)
+    return trainer
+
+
+def test_lightning_loss_of_an_epoch_s_short_last_step_is_its_mean():
+    """5 batches with accumulate_grad_batches=2: the last step has one micro-batch, whose
+    loss Lightning still divides by 2 (the row was half the loss)."""
+    lightning = pytest.importorskip("lightning")
+    from gradscope.integrations.lightning import GradscopeCallback
+
+    losses: list[float] = []
+    callback = GradscopeCallback(quantities="default")
+    _fit(lightning, callback, batches=5, accumulate=2, losses=losses)
+    rows = callback.recorder.frame().query("quantity == 'loss'").sort_values("step")
+    assert rows.value.tolist() == pytest.approx([(losses[0] + losses[1]) / 2, (losses[2] + losses[3]) / 2, losses[4]],
+                                                rel=1e-6)
+
+
+def test_lightning_validation_inside_an_accumulation_step_is_not_recorded():
+    """val_check_interval=1 with accumulate_grad_batches=2 runs validation between a step's
+    micro-batches: its forward added to the step's act_norm (+20-40 %)."""
+    lightning = pytest.importorskip("lightning")
+    from gradscope.integrations.lightning import GradscopeCallback
+
+    tables = []
+    for validate in (False, True):
+        callback = GradscopeCallback(quantities="default")
+        _fit(lightning, callback, batches=4, accumulate=2, validate=validate, max_steps=2)
+        tables.append(callback.recorder.frame())
+    key = ["step", "micro_step", "site", "quantity"]
+    plain, validated = (t.sort_values(key).reset_index(drop=True) for t in tables)
+    assert len(plain) == len(validated) and "act_norm" in set(plain.quantity)
+    pd.testing.assert_frame_equal(plain[key + ["value"]], validated[key + ["value"]])
+    with pytest.raises(RuntimeError, match="give each Trainer.fit a new GradscopeCallback"):
+        _fit(lightning, callback, batches=2, accumulate=1)  # (a second fit with a closed callback)

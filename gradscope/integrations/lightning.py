@@ -44,19 +44,37 @@ class GradscopeCallback(Callback):
         self._loss = None
         self._logged = None  # Σ over the step's micro-batches of their loss / accumulate_grad_batches
         self._log_loss = False  # the step is recorded (or replayed): its loss gets a row
+        self._micro = 0  # micro-batches of the step whose loss was added into _logged
+        self._paused = None  # the recorder's pause while a validation loop runs inside an open step
 
     def on_fit_start(self, trainer, pl_module):
         if self.recorder is None:
             self.recorder = Recorder(pl_module, **self.recorder_kwargs)
+        elif self.recorder.closed:
+            raise RuntimeError("GradscopeCallback: this callback's recorder was closed when its fit ended; give each "
+                               "Trainer.fit a new GradscopeCallback (the last fit's table stays in "
+                               "callback.recorder.frame())")
         if trainer.optimizers:
             self.recorder.attach_optimizer(trainer.optimizers[0])
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if self.recorder.open_step is None:
             self._log_loss = self.recorder.begin_step(trainer.global_step)
-            self._batches, self._loss, self._logged = [], None, None
+            self._batches, self._loss, self._logged, self._micro = [], None, None, 0
         if self.recorder.watch is not None:
             self._batches.append((batch, batch_idx))
+
+    def on_validation_start(self, trainer, pl_module):
+        """Validation inside an open step (``val_check_interval`` in the middle of gradient
+        accumulation) is not recorded: its forwards would add to the step's ``act_norm``."""
+        if self.recorder is not None and self.recorder.open_step is not None:
+            self._paused = self.recorder.paused()
+            self._paused.__enter__()
+
+    def on_validation_end(self, trainer, pl_module):
+        if self._paused is not None:
+            paused, self._paused = self._paused, None
+            paused.__exit__(None, None, None)
 
     def on_before_backward(self, trainer, pl_module, loss):
         if self.recorder.watch is not None and self.recorder.open_step is not None:
@@ -74,16 +92,19 @@ class GradscopeCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         """The step's ``loss`` row: the mean of its micro-batches' losses. Lightning hands each
-        micro-batch's loss over divided by ``accumulate_grad_batches``, so their sum is the
-        mean; it is logged once the step has closed (after the last micro-batch), for a
-        recorded or replayed step only."""
+        micro-batch's loss over divided by ``accumulate_grad_batches`` (also in an epoch's
+        last step, which may hold fewer), so the mean is their sum times
+        ``accumulate_grad_batches`` over the micro-batches counted; it is logged once the
+        step has closed (after the last micro-batch), for a recorded or replayed step only."""
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
         if loss is not None:
             self._logged = loss.detach() if self._logged is None else self._logged + loss.detach()
+            self._micro += 1
         if self.recorder.open_step is None and self._logged is not None:
             if self._log_loss:
-                self.recorder.log("loss", self._logged, step=trainer.global_step - 1)
-            self._logged = None
+                mean = self._logged * (trainer.accumulate_grad_batches / self._micro)
+                self.recorder.log("loss", mean, step=trainer.global_step - 1)
+            self._logged, self._micro = None, 0
 
     def on_fit_end(self, trainer, pl_module):
         if self.recorder is not None:

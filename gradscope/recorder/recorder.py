@@ -278,6 +278,27 @@ class Recorder(RecordedTable, StepRunner):
         self._step, self._buffer, self._recording = None, None, False
         DonationOff.give_back(self._donation_off)
 
+    @contextlib.contextmanager
+    def paused(self) -> Iterator["Recorder"]:
+        """Inside, the open step records nothing: an evaluation forward run between a step's
+        micro-batches (a Lightning validation loop in the middle of gradient accumulation)
+        neither adds to ``act_norm`` nor starts a micro-step. Outside a recorded step it
+        does nothing.
+
+        A compiled model called inside compiles once more (its hooks are armed but silent).
+        """
+        capture, was = self._capture, self._capture.on
+        capture.on = False
+        try:
+            yield self
+        finally:
+            capture.on = was and self._recording
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close()`` was called (the table stays readable; no step can open)."""
+        return self._closed
+
     @property
     def open_step(self) -> int | None:
         """The step currently open, or None."""
