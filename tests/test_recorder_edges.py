@@ -252,3 +252,36 @@ def test_a_graph_kept_from_an_earlier_step_writes_nothing_into_this_one():
     assert got.keys() == ref.keys()
     for name, value in ref.items():
         assert_rel(got[name], value, rel=1e-5, what=name)
+
+
+@pytest.mark.parametrize("quantities", ["default", "all", "signals"])
+def test_an_evaluation_step_on_nested_tensors_records_the_real_tokens(quantities):
+    """``nn.TransformerEncoder`` in eval under ``no_grad`` with a padding mask runs its layers
+    on nested tensors (the fast path): the step records (it crashed in ``reshape``), and a
+    layer's ``act_norm`` is the norm of its real tokens (the padding is not in a nested tensor)."""
+    import warnings
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    model = nn.TransformerEncoder(layer, 2, enable_nested_tensor=True).eval()
+    x = torch.randn(3, 7, 16)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 4:] = pad[2, 5:] = True
+    outputs = {}
+    handles = [m.register_forward_hook(lambda mod, args, out, name=name: outputs.setdefault(name, out))
+               for name, m in model.layers.named_children()]
+    with torch.no_grad():
+        model(x, src_key_padding_mask=pad)
+    for h in handles:
+        h.remove()
+    assert all(t.is_nested for t in outputs.values())  # (else this test checks nothing new)
+    rec = gradscope.Recorder(model, quantities=quantities)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (the fast path calls no norm module: said in a warning)
+        with torch.no_grad(), rec.step(0):
+            model(x, src_key_padding_mask=pad)
+    rec.close()
+    got = rec.frame().query("quantity == 'act_norm'").set_index("site").value
+    for i, out in outputs.items():
+        real = torch.cat([t.reshape(-1) for t in out.unbind()])
+        assert_rel(got[f"layers.{i}.out"], real.double().norm().item(), rel=1e-6, what=f"layers.{i}.out")

@@ -137,3 +137,25 @@ def test_a_forward_that_checkpointing_recomputes_counts_once(reentrant: bool, co
     assert set(expected) == set(got) and any(".ln." in s for s in got)
     for site, value in expected.items():
         assert_rel(got[site], value, rel=1e-5, what=site)
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_an_evaluation_forward_inside_rec_paused_does_not_count(compiled: bool):
+    model, rec, run, reference, first, second = _recorded_and_reference(["act_norm", "act_grad_norm"], compiled)
+    for step in range(2):
+        with rec.step(step):
+            with rec.paused(), torch.no_grad():
+                run(*first)
+            _logits_loss(run(*second), model).backward()
+            with rec.paused():  # (after the backward: no micro-step of its own either)
+                run(*first)
+        model.zero_grad(set_to_none=True)
+    kept, handles = _site_tensors(reference)
+    reference(*second)
+    for h in handles:
+        h.remove()
+    got = _rows(rec, 1, "act_norm")
+    assert set(got) == set(kept)
+    for name, (t,) in kept.items():
+        assert_rel(got[name], t.double().norm().item(), rel=1e-5, what=name)
+    assert set(rec.frame().query("step == 1").micro_step) == {-1}

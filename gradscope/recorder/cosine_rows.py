@@ -58,7 +58,10 @@ class CosineRows:
             return
         stack, pos = where
         rows = self.rows[stack]
-        flat = t.detach().reshape(-1, t.shape[-1])  # (B*T, d)
+        if t.is_nested:  # (nn.TransformerEncoder's fast path: the real tokens of each sequence, packed)
+            flat = torch.cat([x.reshape(-1, x.shape[-1]) for x in t.detach().unbind()])
+        else:
+            flat = t.detach().reshape(-1, t.shape[-1])  # (B*T, d)
         if flat.shape[1] != rows.shape[2]:
             return  # the stack changes width: no cosine
         n, k = flat.shape[0], self.tokens

@@ -76,8 +76,8 @@ class SiteObserver:
     def _norm_output(self, module, args, kwargs, output, j: int, kind: str | None):
         counter, point = len(self.points) + j, self._norm_in[j]
         found, y = main_input(args, kwargs), first_tensor(output)
-        if found is None or y is None or found[1].shape != y.shape:
-            return None
+        if found is None or y is None or found[1].is_nested or y.is_nested or found[1].shape != y.shape:
+            return None  # (a nested tensor, nn.TransformerEncoder's fast path: no per-token rows to read a norm from)
         x, w = found[1], self.writer()
         c, recompute = w.call(counter)
         grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad

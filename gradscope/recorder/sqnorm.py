@@ -373,8 +373,11 @@ def _stacked_squared_norms(tensors: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def _values(t: torch.Tensor) -> torch.Tensor:
-    """A strided tensor with the same sum of squares: a sparse COO tensor's coalesced values
-    (duplicates summed first), another layout made dense."""
+    """A strided tensor with the same sum of squares: a nested tensor (``nn.TransformerEncoder``'s
+    fast path under ``no_grad`` with a padding mask) padded with zeros, a sparse COO tensor's
+    coalesced values (duplicates summed first), another layout made dense."""
+    if t.is_nested:
+        return t.detach().to_padded_tensor(0.0)
     if t.layout == torch.strided:
         return t
     if t.layout == torch.sparse_coo:
