@@ -38,6 +38,23 @@ def scan_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
+ZOO_ONLY = ("variant", "arch", "init", "n_enc", "n_dec", "d_ff")  # scan flags of a zoo model only
+HF_ONLY = ("n_layer",)  # scan flags of --hf only
+
+
+def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
+    """Refuses a device string torch does not parse, or a CUDA device this torch cannot use."""
+    import torch
+
+    try:
+        kind = torch.device(device).type
+    except RuntimeError as err:
+        parser.error(f"--device {device!r}: {err}")
+    if kind == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {device!r}: this torch has no CUDA device (built with CUDA: "
+                     f"{torch.backends.cuda.is_built()}); use --device cpu")
+
+
 def print_scan(result, out: Path, title: str) -> None:
     import matplotlib
 
@@ -71,9 +88,19 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "report":
         return report.run(args)
-    for name in ("n_enc", "n_dec", "n_layer", "d_model", "n_heads", "vocab", "batch_size", "length"):
+    scan = sub.choices["scan"]  # (errors below print the scan command's usage)
+    for name in ("n_enc", "n_dec", "n_layer", "d_model", "n_heads", "batch_size", "length"):
         if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+            scan.error(f"--{name.replace('_', '-')} must be >= 1")
+    least = 2 if args.hf else 4  # (the synthetic batch draws token ids from 1, or from 3 past the zoo's specials)
+    if args.vocab < least:
+        scan.error(f"--vocab must be >= {least} {'with --hf' if args.hf else 'for a zoo model'}, got {args.vocab}")
+    _check_device(scan, args.device)
+    ignored = [f"--{n.replace('_', '-')}" for n in (ZOO_ONLY if args.hf else HF_ONLY)
+               if getattr(args, n) != scan.get_default(n)]
+    if ignored:
+        print(f"gradscope scan: warning: {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored "
+              f"{'with --hf' if args.hf else 'without --hf'}", file=sys.stderr)
     from gradscope.scan import run_scan
 
     try:

@@ -166,3 +166,31 @@ def test_log_of_a_tensor_that_is_not_a_scalar_names_the_quantity():
     rec.close()
     logged = rec.frame().query("quantity in ['loss', 'val'] and step == 1")
     assert sorted(logged.value) == [0.5, 1.5, 2.0, 2.5]  # (two micro-steps of loss and their mean)
+
+
+def test_update_ratio_of_a_group_at_zero_is_no_row_but_a_warning():
+    """transparent_attention's memory weights start at 0: ‖Δθ‖/‖θ‖ is undefined there (the row
+    held 2e36, ‖Δθ‖ over the smallest float)."""
+    import warnings
+
+    import torch.nn.functional as F
+
+    torch.manual_seed(0)
+    model = gradscope.build_model(gradscope.presets.tiny(variant="transparent_attention"))
+    assert all(p.abs().sum() == 0 for n, p in model.named_parameters() if n.startswith("memory"))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    rec = gradscope.Recorder(model, quantities=["update_ratio"], optimizer=opt)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    src, tgt = torch.randint(3, 64, (4, 12)), torch.randint(3, 64, (4, 10))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rec.step(0):
+            F.cross_entropy(model(src, tgt).reshape(-1, 64), tgt.reshape(-1)).backward()
+        opt.step()
+    rec.close()
+    rows = rec.frame().query("quantity == 'update_ratio'").set_index("site").value
+    assert "memory" not in rows.index and len(rows) > 5 and np.isfinite(rows).all()
+    assert any("update_ratio of group(s) ['memory'] is undefined" in str(w.message) for w in caught)
+    total = sum((p.detach() - before[n]).double().square().sum() for n, p in model.named_parameters()) ** 0.5
+    base = sum(b.double().square().sum() for b in before.values()) ** 0.5
+    assert rows[""] == pytest.approx((total / base).item(), rel=1e-5)

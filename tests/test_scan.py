@@ -90,3 +90,22 @@ def test_scan_warns_on_large_attention_logits_and_gradient_rms_near_adams_eps():
     assert not result.healthy
     calm = summarize(make_frame([r for r in rows if r["quantity"] == "act_grad_norm"]))
     assert calm.healthy and calm.attn_logit_max is None and calm.low_grad_rms == ()
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--vocab", "3"], "--vocab must be >= 4 for a zoo model, got 3"),
+    (["--hf", "gpt2", "--vocab", "1"], "--vocab must be >= 2 with --hf, got 1"),
+    (["--device", "foo"], "--device 'foo'"),
+    (["--n-enc", "0"], "--n-enc must be >= 1"),
+])
+def test_bad_scan_flags_are_refused_naming_the_flag(argv, said, capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["scan", *argv])
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and said in err and "gradscope scan" in err, err
+
+
+def test_flags_that_do_not_apply_are_said_to_be_ignored(tmp_path, capsys):
+    main(["scan", "--hf", "gpt2", "--n-layer", "2", "--d-model", "16", "--n-heads", "2", "--vocab", "50",
+          "--batch-size", "2", "--length", "8", "--variant", "pre_ln", "--n-enc", "3", "--out", str(tmp_path)])
+    assert "--variant, --n-enc are ignored with --hf" in capsys.readouterr().err

@@ -262,7 +262,8 @@ class UpdateRatio(Quantity):
     optimizer hooks, after the step's other rows)."""
 
     name, slow, across_ranks = "update_ratio", True, "shared"
-    description = "‖Δθ‖ / ‖θ‖ per parameter group across optimizer.step() (needs Recorder(optimizer=...))"
+    description = ("‖Δθ‖ / ‖θ‖ per parameter group across optimizer.step() (needs Recorder(optimizer=...)); no "
+                   "row for a group whose ‖θ‖ was 0 before the step (a warning)")
 
     def rows(self, data):
         return []  # written after optimizer.step() (gradscope.recorder.update_ratio)

@@ -169,7 +169,7 @@ class Recorder(RecordedTable, StepRunner):
         self._recording = False
         self._late = LateRows(self._out, self._rows)  # a step's rows are built later (recorder/late_rows.py)
         self._key_cache: dict = {}  # row keys kept from step to step (StepData.step_keys)
-        self._updates = UpdateRatioHooks(self.groups, self._late.rows)
+        self._updates = UpdateRatioHooks(self.groups, self._late.rows, self._checks.warn_once)
         self._closed = self._closed_inside = False
         self._lr_from_optimizer = optimizer is not None
         if optimizer is not None:

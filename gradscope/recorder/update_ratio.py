@@ -14,13 +14,18 @@ from gradscope.table.keys import Key
 class UpdateRatioHooks:
     """Optimizer step hooks that measure the update of a recorded step.
 
+    A group whose ‖θ‖ was 0 before the update (weights initialised to zero) has no ratio:
+    no row, and a warning names it once; a group without parameters has no row either.
+
     Args:
         groups: the Recorder's parameter groups.
         emit: called with (step, keys, ratios) once the optimizer has stepped.
+        warn: ``warn_once(topic, message)`` of the Recorder.
     """
 
-    def __init__(self, groups: ParamGroups, emit: Callable[[int, list[Key], np.ndarray], None]) -> None:
-        self.groups, self.emit = groups, emit
+    def __init__(self, groups: ParamGroups, emit: Callable[[int, list[Key], np.ndarray], None],
+                 warn: Callable[[str, str], None] = lambda topic, message: None) -> None:
+        self.groups, self.emit, self.warn = groups, emit, warn
         self.pending: int | None = None  # the recorded step whose update is measured next (:meth:`open`)
         self._before: list[torch.Tensor] | None = None
         self._stepping = False  # between the optimizer's pre- and post-step hooks
@@ -71,6 +76,14 @@ class UpdateRatioHooks:
         if len(now) == len(self._before):
             delta = self.groups.group_norms(torch._foreach_sub(now, self._before))
             base = self.groups.group_norms(self._before)
-            ratio = (delta / base.clamp_min(torch.finfo(base.dtype).tiny)).cpu().double().numpy()
-            self.emit(self.pending, self.groups.keys("update_ratio"), ratio)
+            delta, base = delta.cpu().double().numpy(), base.cpu().double().numpy()
+            keys, defined = self.groups.keys("update_ratio"), base > 0
+            if not defined.all():
+                zero = [k.site for k, d, p in zip(keys, defined, self.groups.populated) if p and not d]
+                if zero:
+                    self.warn("update_ratio_zero", f"update_ratio of group(s) {zero[:5]} is undefined at step "
+                              f"{self.pending}: ‖θ‖ was 0 before the update (weights initialised to zero); no row for "
+                              "them while it is. Not reported again.")
+                keys = [k for k, d in zip(keys, defined) if d]
+            self.emit(self.pending, keys, delta[defined] / base[defined])
         self.pending, self._before = None, None
