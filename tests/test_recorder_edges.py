@@ -285,3 +285,70 @@ def test_an_evaluation_step_on_nested_tensors_records_the_real_tokens(quantities
     for i, out in outputs.items():
         real = torch.cat([t.reshape(-1) for t in out.unbind()])
         assert_rel(got[f"layers.{i}.out"], real.double().norm().item(), rel=1e-6, what=f"layers.{i}.out")
+
+
+class _NormLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.ln, self.fc = nn.LayerNorm(8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        return x + self.fc(self.ln(x))
+
+
+class _SharedDepth(nn.Module):
+    """A list that holds one block three times (weights shared across depth), between two
+    blocks of their own when ``own_ends``."""
+
+    def __init__(self, own_ends: bool = False):
+        super().__init__()
+        shared = _NormLinear()
+        self.layers = nn.ModuleList([_NormLinear(), shared, shared, _NormLinear()] if own_ends else [shared] * 3)
+        self.head = nn.Linear(8, 2)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+def test_a_list_holding_one_block_several_times_is_one_layer_called_again():
+    """``nn.ModuleList([block] * 3)`` raised KeyError; the block is one layer whose calls are
+    rows ``#2``, ``#3`` (each call's own values, checked against the block's outputs)."""
+    torch.manual_seed(0)
+    model, x = _SharedDepth(), torch.randn(4, 5, 8)
+    outs = []
+    handle = model.layers[0].register_forward_hook(lambda mod, args, out: outs.append(out) or out.retain_grad())
+    model(x).square().mean().backward()
+    handle.remove()
+    reference = [(o.norm().item(), o.grad.norm().item()) for o in outs]
+    model.zero_grad(set_to_none=True)
+    assert gradscope.site_names(model) == ["layers.0.in", "layers.0.out", "layers.0.ln.in", "layers.0.ln.out"]
+    rec = gradscope.Recorder(model, quantities=["act_norm", "act_grad_norm"])
+    with rec.step(0):
+        model(x).square().mean().backward()
+    rec.close()
+    df = rec.frame().query("micro_step == -1")
+    for call, (value, grad) in enumerate(reference):
+        site = "layers.0.out" + ("" if call == 0 else f"#{call + 1}")
+        got = df[df.site == site].set_index("quantity").value
+        assert_rel(got["act_norm"], value, rel=1e-6, what=site)
+        assert_rel(got["act_grad_norm"], grad, rel=1e-6, what=site)
+    names = gradscope.site_names(_SharedDepth(own_ends=True))
+    assert {n.rpartition(".")[0] for n in names if n.endswith(".out") and n.count(".") == 2} == {"layers.0", "layers.1",
+                                                                                                 "layers.3"}
+
+
+def test_groups_of_a_model_without_a_block_list_are_not_called_embeddings():
+    """Without a list of blocks there is no before or after: a Linear or a norm is ``other``
+    (every group was ``embedding``), an nn.Embedding still ``embedding``."""
+    model = nn.Sequential()
+    model.add_module("embed", nn.Embedding(10, 8))
+    model.add_module("block", _NormLinear())
+    model.add_module("out", nn.Linear(8, 2))
+    rec = gradscope.Recorder(nn.ModuleDict(dict(net=model)).net, quantities=["param_grad_norm"])
+    with rec.step(0):
+        model(torch.randint(0, 10, (2, 3))).sum().backward()
+    rec.close()
+    roles = rec.frame().set_index("site").role
+    assert roles["embed"] == "embedding" and roles["out"] == "other" and roles["block.fc"] == "other"

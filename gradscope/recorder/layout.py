@@ -201,7 +201,9 @@ def _block_in(child: nn.Module | None) -> tuple[str, nn.Module] | None:
 
 
 def _repeated_blocks(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Module]], bool]]:
-    """(list path, [(site prefix, block)], blocks of one class) for every layer list found."""
+    """(list path, [(site prefix, block)], blocks of one class) for every layer list found. A
+    block the list holds more than once (weights shared across depth: ``[block] * 3``) is
+    one layer at its first place, whose later calls are rows ``#2``, ``#3`` of its sites."""
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.Sequential)) or len(module) < 2:
@@ -215,7 +217,11 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Mod
         same_entry_class = len({own_class(c) for c in children}) == 1
         if not same_entry_class:
             continue
-        blocks = [(f"{name}.{i}{suffix}" if name else f"{i}{suffix}", block) for i, (suffix, block) in enumerate(entries)]
+        blocks, seen = [], set()
+        for i, (suffix, block) in enumerate(entries):
+            if id(block) not in seen:  # (a list that holds one block twice, [block] * 3: its first place, called again)
+                seen.add(id(block))
+                blocks.append((f"{name}.{i}{suffix}" if name else f"{i}{suffix}", block))
         found.append((name, blocks, len({own_class(b) for _, b in blocks}) == 1))
     return found
 
@@ -297,7 +303,9 @@ def _outside_groups(model: nn.Module, blocks: list[str], stacks: set[str] = froz
     ``final``: Llama's ``model.norm``, GPT-2's ``ln_f``, ``nn.Transformer``'s
     ``encoder.norm``, OPT's ``final_layer_norm``; not a norm inside a head),
     ``head`` (anything else after the last block: LM head, pooler, classifier) or ``other``
-    (a module beside a block in the same list entry, as x-transformers' norms)."""
+    (a module beside a block in the same list entry, as x-transformers' norms; and, in a
+    model without a list of blocks, whatever is no embedding and no final norm, as there is
+    no before or after then)."""
     modules = dict(model.named_modules())
     order = {name: i for i, name in enumerate(modules)}
     first_block = min((order[b] for b in blocks), default=len(order))
@@ -330,11 +338,11 @@ def _outside_groups(model: nn.Module, blocks: list[str], stacks: set[str] = froz
                 roles[group] = "final_norm"
             elif any(owner.startswith(f"{e}.") for e in entries if e) and not any(owner.startswith(f"{b}.") for b in blocks):
                 roles[group] = "other"  # beside a block in its list entry (x-transformers: [norms, block, residual])
-            elif isinstance(module, nn.Embedding) or order[owner] < first_block:
+            elif isinstance(module, nn.Embedding) or (blocks and order[owner] < first_block):
                 roles[group] = "embedding"
             elif beside and is_norm(module, owner) and right_after_a_stack(order[owner]):
                 roles[group] = "final_norm"
-            elif order[owner] > last_block:
+            elif blocks and order[owner] > last_block:
                 roles[group] = "head"
             else:
                 roles[group] = "other"
