@@ -92,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("n_enc", "n_dec", "n_layer", "d_model", "n_heads", "batch_size", "length"):
         if getattr(args, name) < 1:
             scan.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.d_model % args.n_heads:
+        scan.error(f"--d-model {args.d_model} must be a multiple of --n-heads {args.n_heads}")
     least = 2 if args.hf else 4  # (the synthetic batch draws token ids from 1, or from 3 past the zoo's specials)
     if args.vocab < least:
         scan.error(f"--vocab must be >= {least} {'with --hf' if args.hf else 'for a zoo model'}, got {args.vocab}")

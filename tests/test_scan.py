@@ -97,6 +97,7 @@ def test_scan_warns_on_large_attention_logits_and_gradient_rms_near_adams_eps():
     (["--hf", "gpt2", "--vocab", "1"], "--vocab must be >= 2 with --hf, got 1"),
     (["--device", "foo"], "--device 'foo'"),
     (["--n-enc", "0"], "--n-enc must be >= 1"),
+    (["--d-model", "63"], "--d-model 63 must be a multiple of --n-heads 4"),
 ])
 def test_bad_scan_flags_are_refused_naming_the_flag(argv, said, capsys):
     with pytest.raises(SystemExit) as stop:
