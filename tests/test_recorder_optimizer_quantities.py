@@ -194,3 +194,45 @@ def test_update_ratio_of_a_group_at_zero_is_no_row_but_a_warning():
     total = sum((p.detach() - before[n]).double().square().sum() for n, p in model.named_parameters()) ** 0.5
     base = sum(b.double().square().sum() for b in before.values()) ** 0.5
     assert rows[""] == pytest.approx((total / base).item(), rel=1e-5)
+
+
+def test_lr_is_the_one_the_update_used_when_the_scheduler_steps_inside_the_step():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5 ** s)
+    rec = gradscope.Recorder(model, optimizer=opt, quantities=["lr"])
+    used = []
+    for step in range(3):
+        with rec.step(step):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            used.append(opt.param_groups[0]["lr"])
+            opt.step()
+            opt.zero_grad()
+            schedule.step()  # (before the step ends: param_groups already hold the next lr)
+    with rec.step(3):  # no optimizer step inside: the lr of the groups when the step ends
+        model(torch.randn(8, 4)).pow(2).mean().backward()
+    rec.close()
+    assert rec.frame().query("quantity == 'lr'").sort_values("step").value.tolist() == used + [0.125]
+
+
+def test_update_ratio_of_groups_another_optimizer_steps_is_no_row_but_a_warning():
+    import warnings
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1))
+    first, second = torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[1].parameters(), lr=0.1)
+    rec = gradscope.Recorder(model, optimizer=first, quantities=["update_ratio"], slow_every=1)
+    before = [p.detach().clone() for p in model[0].parameters()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with rec.step(0):
+            model(torch.randn(8, 4)).pow(2).mean().backward()
+            first.step()
+            second.step()
+    rec.close()
+    rows = rec.frame().query("quantity == 'update_ratio'").set_index("site").value
+    assert list(rows.index) == ["0"]  # (the total and group '1' had 0.0 for the other optimizer's update)
+    delta = sum((p.detach() - b).square().sum() for p, b in zip(model[0].parameters(), before)) ** 0.5
+    assert rows["0"] == pytest.approx((delta / sum(b.square().sum() for b in before) ** 0.5).item(), rel=1e-5)
+    assert any("the attached optimizer does not step" in str(w.message) for w in caught)

@@ -43,6 +43,8 @@ class StepContext:
         lr_from_optimizer: whether ``lr`` is read from ``optimizer`` (it was given to the
             constructor, not attached by a training loop that logs ``lr`` itself).
         device: the device of the model's first parameter.
+        lr_used: the first group's lr when the optimizer stepped inside this step (a
+            scheduler stepping after it changes ``param_groups`` before the step ends), else None.
     """
 
     step: int
@@ -55,6 +57,7 @@ class StepContext:
     capture: Capture = field(repr=False)
     buffer: StepBuffer = field(repr=False)
     warned: set[str] = field(repr=False)
+    lr_used: float | torch.Tensor | None = None
     current: Quantity | None = field(default=None, repr=False)  # the quantity collecting now
     _cache: dict = field(default_factory=dict, repr=False)
 

@@ -241,11 +241,13 @@ class Lr(Quantity):
     """The optimizer's learning rate (first group), when the Recorder was given the optimizer."""
 
     name, across_ranks = "lr", "shared"
-    description = "the optimizer's learning rate (first parameter group), when the Recorder was given the optimizer"
+    description = ("the optimizer's learning rate (first parameter group), when the Recorder was given the optimizer: "
+                   "the one its step used when it stepped inside the recorded step")
 
     def collect(self, ctx):
         if ctx.lr_from_optimizer and ctx.optimizer is not None:
-            ctx.add_model_value(self.name, float(ctx.optimizer.param_groups[0]["lr"]))
+            lr = ctx.lr_used if ctx.lr_used is not None else ctx.optimizer.param_groups[0]["lr"]  # (the update's own)
+            ctx.add_model_value(self.name, float(lr))
 
 
 class Logged(Quantity):

@@ -190,7 +190,7 @@ class Recorder(RecordedTable, StepRunner):
         self.optimizer = optimizer
         self._scaler_watch.attach(optimizer)
         self._updates.remove()
-        if "update_ratio" in self.quantities:
+        if "update_ratio" in self.quantities or "lr" in self.quantities:  # (also the lr an update inside the step used)
             self._updates.attach(optimizer)
 
     # -- the step context ----------------------------------------------------------------
@@ -247,6 +247,7 @@ class Recorder(RecordedTable, StepRunner):
         stats = any(n in self._wants for n in self._value_stats + self._grad_stats)
         self._buffer = StepBuffer()
         self._scaler_watch.begin()
+        self._updates.step_open, self._updates.lr_used = True, None
         self._capture.begin(self._device(), captures, cosine_tokens=self.cosine_tokens, generator=self._generator,
                             stats=stats)
         DonationOff.take(self._donation_off)  # (a recorded graph's backward may run twice: wrappers.py)
@@ -267,6 +268,7 @@ class Recorder(RecordedTable, StepRunner):
         finally:
             self._capture.on = False
             self._scaler_watch.end()
+            self._updates.step_open = False
             self._step, self._buffer, self._recording = None, None, False
             DonationOff.give_back(self._donation_off)
 
@@ -274,6 +276,7 @@ class Recorder(RecordedTable, StepRunner):
         """Discards the open step (after an exception): nothing stored."""
         self._capture.discard()
         self._scaler_watch.end()
+        self._updates.step_open = False
         self._updates.pending = None
         self._step, self._buffer, self._recording = None, None, False
         DonationOff.give_back(self._donation_off)
@@ -341,7 +344,7 @@ class Recorder(RecordedTable, StepRunner):
             if scale is not None:
                 buf.add(model_key(SCALE), scale)
             ctx = StepContext(step, self.model, self.layout, self.groups, self.optimizer, self._lr_from_optimizer,
-                              self._capture.device, self._capture, buf, self._checks.warned)
+                              self._capture.device, self._capture, buf, self._checks.warned, lr_used=self._updates.lr_used)
             for name, quantity in self._quantities.items():
                 if name in wants:
                     ctx.current = quantity

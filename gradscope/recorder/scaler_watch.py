@@ -24,6 +24,8 @@ from functools import partial
 
 import torch
 
+from gradscope.recorder.update_ratio import hookable
+
 
 def grad_scale(scaler) -> torch.Tensor | None:
     """A ``torch.amp.GradScaler``'s current scale as a 0-d fp32 tensor (no host sync), or None
@@ -67,8 +69,9 @@ class ScalerWatch:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Sees ``optimizer.step()`` begin (a pre-hook, removed by :meth:`remove`), if there is a scaler."""
         self.remove()
-        if self.scaler is not None:
-            self._handle = optimizer.register_step_pre_hook(partial(_before_step, weakref.ref(self)))
+        target = hookable(optimizer) if self.scaler is not None else None
+        if target is not None:
+            self._handle = target.register_step_pre_hook(partial(_before_step, weakref.ref(self)))
 
     def remove(self) -> None:
         """Removes the optimizer hook."""

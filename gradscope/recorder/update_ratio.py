@@ -27,15 +27,20 @@ class UpdateRatioHooks:
                  warn: Callable[[str, str], None] = lambda topic, message: None) -> None:
         self.groups, self.emit, self.warn = groups, emit, warn
         self.pending: int | None = None  # the recorded step whose update is measured next (:meth:`open`)
+        self.step_open = False  # a recorded step is open (the Recorder sets it)
+        self.lr_used = None  # the first group's lr when the optimizer stepped inside the open recorded step
         self._before: list[torch.Tensor] | None = None
         self._stepping = False  # between the optimizer's pre- and post-step hooks
         self._handles: list = []
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
-        """Hooks ``optimizer.step`` (replacing hooks on an earlier optimizer)."""
+        """Hooks ``optimizer.step`` (replacing hooks on an earlier optimizer); nothing for an
+        optimizer whose steps fire no hooks (then no ``update_ratio`` rows, said by :meth:`expire`)."""
         self.remove()
-        self._handles = [optimizer.register_step_pre_hook(self._before_step),
-                         optimizer.register_step_post_hook(self._after_step)]
+        target = hookable(optimizer)
+        if target is not None:
+            self._handles = [target.register_step_pre_hook(self._before_step),
+                             target.register_step_post_hook(self._after_step)]
 
     def remove(self) -> None:
         """Removes the optimizer hooks."""
@@ -65,6 +70,9 @@ class UpdateRatioHooks:
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         self._stepping = True
+        if self.step_open:  # (the lr this update uses: a scheduler stepping inside the step changes it before it ends)
+            lr = optimizer.param_groups[0]["lr"]
+            self.lr_used = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
         if self.pending is not None:
             self._before = [p.detach().clone() for p in self.groups.params]
 
@@ -78,8 +86,17 @@ class UpdateRatioHooks:
             base = self.groups.group_norms(self._before)
             delta, base = delta.cpu().double().numpy(), base.cpu().double().numpy()
             keys, defined = self.groups.keys("update_ratio"), base > 0
+            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            others = [p.requires_grad and id(p) not in owned for p in self.groups.params]
+            if any(others):  # trained by another optimizer (or none): their Δθ is not this step's, 0.0 here
+                elsewhere = np.asarray(self.groups.any_member(others))
+                self.warn("update_ratio_other_optimizer", f"update_ratio: group(s) "
+                          f"{[k.site for k, e in zip(keys, elsewhere) if e][:5]} hold trainable parameters that the "
+                          "attached optimizer does not step (a second optimizer?): no rows for them, the total "
+                          "included. Not reported again.")
+                defined &= ~elsewhere
             if not defined.all():
-                zero = [k.site for k, d, p in zip(keys, defined, self.groups.populated) if p and not d]
+                zero = [k.site for k, b, p in zip(keys, base, self.groups.populated) if p and b <= 0]
                 if zero:
                     self.warn("update_ratio_zero", f"update_ratio of group(s) {zero[:5]} is undefined at step "
                               f"{self.pending}: ‖θ‖ was 0 before the update (weights initialised to zero); no row for "
@@ -87,3 +104,17 @@ class UpdateRatioHooks:
                 keys = [k for k, d in zip(keys, defined) if d]
             self.emit(self.pending, keys, delta[defined] / base[defined])
         self.pending, self._before = None, None
+
+
+def hookable(optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer whose ``step`` fires step hooks: ``optimizer`` itself, or the one a wrapper
+    holds as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, which the HF Trainer hands
+    its callbacks, keeps no hooks of its own); None if neither does."""
+    for _ in range(4):
+        if hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            return None
+        optimizer = inner
+    return None
