@@ -155,7 +155,7 @@ def test_grad_scaler_values_are_unscaled(inside):
     """Norms divided by the scale the backward ran with, the parameters' only if still scaled,
     whatever the loop does inside the step: ``unscale_``, ``scaler.step`` (which unscales in
     place) and ``scaler.update`` (which doubles the scale here). Without the optimizer the
-    Recorder cannot see ``scaler.step`` and says so when ``update`` ran inside."""
+    Recorder cannot tell whether ``scaler.step`` unscaled them: no parameter rows, and it says so."""
     torch.manual_seed(0)
     model = gradscope.build_model(tiny("pre_ln", "decoder"))
     inputs = batch(model.config)
@@ -184,8 +184,11 @@ def test_grad_scaler_values_are_unscaled(inside):
         assert_rel(got, value, rel=1e-4, what=name)
     loss_fn(model, inputs).backward()
     total = math.sqrt(sum(p.grad.norm().item() ** 2 for p in model.parameters()))
-    got = df[(df.site == "") & (df.quantity == "param_grad_norm")].value.item()
-    assert_rel(got, total, rel=1e-4)
+    got = df[(df.site == "") & (df.quantity == "param_grad_norm")].value
+    if inside.endswith("without_optimizer"):  # (scaled or not cannot be known: no row rather than a guess)
+        assert got.empty
+    else:
+        assert_rel(got.item(), total, rel=1e-4)
 
 
 class CheckpointedLM(torch.nn.Module):

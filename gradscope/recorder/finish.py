@@ -73,7 +73,7 @@ def host_marks(marks: list[tuple[array, tuple[int, list[int]]]], n_taps: int) ->
 
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
-              wants: set[str], params_unscaled: bool, backwards: int = 1, grad_forwards: int = 1,
+              wants: set[str], params_unscaled: bool | None, backwards: int = 1, grad_forwards: int = 1,
               value_stats: tuple[str, ...] = (),
               grad_stats: tuple[str, ...] = (), width: int = FWD, key_cache: dict | None = None
               ) -> tuple[list, np.ndarray, StepData]:
@@ -97,8 +97,11 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     for k, v in zip(keys, values):
         if k.quantity == SCALE:
             continue
-        if scale is not None and k.quantity in ("param_grad_norm", "grad_rms_over_eps") and not params_unscaled:
-            v = v / scale
+        if scale is not None and k.quantity in ("param_grad_norm", "grad_rms_over_eps"):
+            if params_unscaled is None:  # (not known whether the gradients were unscaled: no rows, and a warning said so)
+                continue
+            if not params_unscaled:
+                v = v / scale
         device.setdefault(k.quantity, []).append((k, float(v)))
     n_taps = len(points) * K
     collector, reached, traced, order, value, user_fwd, misfit = micro_steps(

@@ -11,7 +11,7 @@ optimizer, just before its ``step`` (``scaler.step`` unscales, then steps, then 
 optimizer STEPPED; an optimizer that unscales inside its own fused step never shows
 UNSCALED and leaves the gradients scaled). An ``update`` inside the step replaces the
 stages; without the optimizer's hook the Recorder then cannot tell whether the gradients
-were unscaled, takes them as unscaled (``scaler.step``'s usual path) and says so once; an
+were unscaled, so the parameters' norms get no rows, and it says so once; an
 attached optimizer whose step was not seen skipped it (inf or NaN gradients, after
 ``scaler.step`` unscaled them).
 """
@@ -90,8 +90,9 @@ class ScalerWatch:
         """The scale the step's gradients carry (the last backward's), or None without a scaler."""
         return self._scale if self._scale is not None else grad_scale(self.scaler)
 
-    def params_unscaled(self, warn: Callable[[str, str], None]) -> bool:
-        """Whether the parameters' gradients at the step's end are already unscaled.
+    def params_unscaled(self, warn: Callable[[str, str], None]) -> bool | None:
+        """Whether the parameters' gradients at the step's end are already unscaled; None
+        when that cannot be known (then their norms get no rows, and a warning says why).
 
         Args:
             warn: ``warn_once(topic, message)`` of the Recorder.
@@ -106,14 +107,13 @@ class ScalerWatch:
         updated = self._stages is not None and self.scaler._per_optimizer_states is not self._stages
         if not (stepped or updated):
             return False
-        # scaler.step ran inside the step (update() may have cleared its mark since) and no optimizer
-        # step was seen: the optimizer skipped it (inf/NaN gradients), or the Recorder has no optimizer
-        if self._handle is None:
-            warn("scaler_step_inside", "scaler.step() ran inside the recorded step and the Recorder has no optimizer "
-                 "to see whether it unscaled the gradients: param_grad_norm takes them as unscaled (as scaler.step "
-                 "does before a plain optimizer's step); give the Recorder the optimizer "
-                 "(Recorder(..., optimizer=opt)) or call scaler.step/update after the step")
-        return True
+        if self._handle is not None:  # the attached optimizer skipped its step (inf/NaN): scaler.step unscaled them
+            return True
+        warn("scaler_step_inside", "scaler.step() ran inside the recorded step and the Recorder has no optimizer to "
+             "see whether it unscaled the gradients (a plain optimizer's step does, a fused one's does not): "
+             "param_grad_norm and grad_rms_over_eps have no rows for such steps; give the Recorder the optimizer "
+             "(Recorder(..., optimizer=opt)) or call scaler.step/update after the step")
+        return None
 
     def end(self) -> None:
         """The step closed."""

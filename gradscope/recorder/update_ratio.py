@@ -84,7 +84,7 @@ class UpdateRatioHooks:
         if len(now) == len(self._before):
             delta = self.groups.group_norms(torch._foreach_sub(now, self._before))
             base = self.groups.group_norms(self._before)
-            delta, base = delta.cpu().double().numpy(), base.cpu().double().numpy()
+            delta, base = torch.stack([delta, base]).cpu().double().numpy()  # (one transfer)
             keys, defined = self.groups.keys("update_ratio"), base > 0
             owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
             others = [p.requires_grad and id(p) not in owned for p in self.groups.params]
