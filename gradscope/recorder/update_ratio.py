@@ -1,4 +1,5 @@
-"""``update_ratio``: ‖Δθ‖/‖θ‖ per parameter group, measured around ``optimizer.step()``."""
+"""The Recorder's optimizer step hooks: ``update_ratio`` (‖Δθ‖/‖θ‖ per parameter group, measured around
+``optimizer.step()``) and the ``lr`` that a step inside the recorded step used."""
 
 from __future__ import annotations
 
