@@ -1,4 +1,4 @@
-"""The papers' figures, one ``python -m analyses.<name>`` each (SPEC §4).
+"""The papers' figures, one ``python -m analyses.<name>`` each (docs/papers.md).
 
 | module | figure | claims |
 |---|---|---|

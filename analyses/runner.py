@@ -31,7 +31,7 @@ from gradscope.train import resolve_device
 
 
 class Analysis:
-    """One figure of SPEC §4 at one preset.
+    """One figure of docs/papers.md at one preset.
 
     Subclasses set :attr:`name` and define :meth:`plan`, :meth:`conclude` and :meth:`draw`;
     the default :meth:`collect` trains each planned run (or only builds it, for an init-only

@@ -5,7 +5,7 @@ Public names:
     site_names — the sites the recorder probes in a model (zoo or any nn.Module).
     Recorder, record, snapshot — the recorder; RecorderOptions — its less common settings.
     Quantity, StepContext — write a quantity of your own; QUANTITIES — the built-in ones.
-    load, save_frame — parquet I/O. COLUMNS — the tidy table's columns (SPEC §3).
+    load, save_frame — parquet I/O. COLUMNS — the tidy table's columns (docs/table.md).
 """
 
 from gradscope import presets

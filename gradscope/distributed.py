@@ -1,6 +1,6 @@
 """Recording under ``torch.distributed``: DDP and FSDP2, one table on rank 0.
 
-What each rank records (SPEC §3 columns; ``rank`` is the ``torch.distributed`` rank):
+What each rank records (the table's columns, docs/table.md; ``rank`` is the ``torch.distributed`` rank):
 
 - ``param_grad_norm`` / ``update_ratio`` are **global** on every rank. DDP all-reduces
   (averages) ``p.grad`` during ``backward()``, and the recorder reads ``p.grad`` when the

@@ -6,7 +6,7 @@ Two kinds, one family:
   ``presets.base(variant="b2t", n_enc=18, n_dec=18)``. :data:`SIZES` maps their names.
 - **Run presets** ``ci()``, ``default()`` and ``paper()`` return a :class:`Preset`: a model
   size, the data and the training recipe together, as the analyses, notebooks and scan
-  use them (SPEC §4). :data:`PRESETS` maps their names; :func:`get` looks one up.
+  use them (docs/zoo.md, "Sizes and run presets"). :data:`PRESETS` maps their names; :func:`get` looks one up.
 
 The training recipe is the papers' scaled down and the same for every run of a preset:
 Adam β=(0.9, 0.98), ε=1e-8, peak lr 1e-3 with an inverse-sqrt schedule after a linear

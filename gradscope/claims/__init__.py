@@ -1,4 +1,4 @@
-"""Decision rules for the claims of SPEC §4, one function per claim, each returning a
+"""Decision rules for the claims of docs/papers.md, one function per claim, each returning a
 :class:`Verdict`; :func:`write_claims` keeps ``figures/CLAIMS.md``.
 
 Every rule is a fixed formula with named thresholds whose defaults were chosen before

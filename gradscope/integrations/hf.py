@@ -30,7 +30,7 @@ from gradscope.recorder import Recorder
 
 
 class GradscopeCallback(TrainerCallback):
-    """Records SPEC §3 quantities during ``Trainer.train()``.
+    """Records the quantities of docs/quantities.md during ``Trainer.train()``.
 
     Args:
         **recorder_kwargs: passed to :class:`gradscope.Recorder` (``quantities``, ``every``,

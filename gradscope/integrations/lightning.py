@@ -30,7 +30,7 @@ from gradscope.recorder import Recorder
 
 
 class GradscopeCallback(Callback):
-    """Records SPEC §3 quantities during ``Trainer.fit``.
+    """Records the quantities of docs/quantities.md during ``Trainer.fit``.
 
     Args:
         **recorder_kwargs: passed to :class:`gradscope.Recorder`; the recorder is

@@ -1,4 +1,4 @@
-"""The model zoo: every residual/LayerNorm wiring of SPEC §1 with named sites."""
+"""The model zoo: every residual/LayerNorm wiring of docs/zoo.md ("Variants") with named sites."""
 
 from gradscope.models.admin import admin_init
 from gradscope.models.build import build_model

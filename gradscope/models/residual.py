@@ -8,7 +8,7 @@ computes, with ``skip``, ``gate`` and ``layer_skip`` small modules chosen by the
 then ``PostNormSublayer`` returns ``norm(s)`` and ``PreNormSublayer`` returns ``s``.
 ``x_layer`` is the input of the whole layer (used by B2T's bottom-to-top connection).
 
-Sites (SPEC §2), relative to the sub-layer: ``branch`` (dropout(F(...)) before any gate),
+Sites (docs/zoo.md, "Sites"), relative to the sub-layer: ``branch`` (dropout(F(...)) before any gate),
 ``sum`` (s), ``norm.in`` / ``norm.out`` when the wiring has a norm.
 """
 

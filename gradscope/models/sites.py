@@ -1,7 +1,7 @@
 """Named hook points ("sites") placed inside ``forward``, TransformerLens style.
 
 A :class:`Site` is an identity module; its name in ``model.named_modules()`` is the site
-name of SPEC §2 (``decoder.layers.3.cross_attn.norm.in``). The recorder hooks sites; a
+name (docs/zoo.md, "Sites"; ``decoder.layers.3.cross_attn.norm.in``). The recorder hooks sites; a
 model without a recorder pays one Python call per site and nothing else.
 """
 

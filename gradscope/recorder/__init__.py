@@ -1,4 +1,4 @@
-"""The recorder: SPEC §3 quantities as a tidy table, equal to plain autograd."""
+"""The recorder: the quantities of docs/quantities.md as a tidy table, equal to plain autograd."""
 
 from gradscope.recorder.layout import Layout, find_layout
 from gradscope.recorder.oneshot import record, snapshot

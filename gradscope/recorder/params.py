@@ -1,6 +1,6 @@
 """Parameter-gradient and update norms per group, with one fused norm call.
 
-Groups (SPEC §3 "per layer and per sub-layer, and the global total") come from the layout:
+Groups (per layer and per sub-layer, and the global total: docs/table.md) come from the layout:
 ``""`` is the total. A group's norm is sqrt(Σ_p ‖g_p‖²) over its parameters, computed as
 ``sqrt(M @ sq)`` with M the (groups × params) membership matrix and sq the squared
 per-parameter norms (:func:`gradscope.recorder.sqnorm.squared_norms`) — no host sync.

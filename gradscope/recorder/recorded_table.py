@@ -74,7 +74,7 @@ class RecordedTable:
 
     # -- output ----------------------------------------------------------------------------
     def frame(self, *, gather: bool = False, dst: int = 0) -> pd.DataFrame | None:
-        """Everything recorded so far as the tidy table of SPEC §3.
+        """Everything recorded so far as the tidy table (docs/table.md).
 
         Args:
             gather: collect every rank's rows on rank ``dst``

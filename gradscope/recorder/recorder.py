@@ -1,4 +1,4 @@
-"""``Recorder``: records SPEC §3 quantities of a model for chosen training steps.
+"""``Recorder``: records the quantities of docs/quantities.md of a model for chosen training steps.
 
 Usage::
 

@@ -1,5 +1,5 @@
 """Forward signals that precede instability: attention logits and entropy, output-logit
-log-partition, sub-layer output RMS (the instability issue; SPEC §3 "Beyond the seeds").
+log-partition, sub-layer output RMS (docs/signals.md).
 
 - ``attn_logit_max``: max over allowed positions of the pre-softmax q·k·scale per head
   (Wortsman et al. 2023 §3.1: attention-logit growth; Dehghani et al. 2023).

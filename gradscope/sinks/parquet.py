@@ -4,7 +4,7 @@
 recorded steps in memory; then they become one *part file*
 ``runs/exp1/part-r<rank>-<first step>-<last step>-<random>.parquet``, written to a hidden
 temporary file, fsync'ed and renamed, so a reader (or a run killed at any moment) sees
-whole part files or none. Parts are never rewritten. Every part has the SPEC §3 columns with
+whole part files or none. Parts are never rewritten. Every part has the table's columns (docs/table.md) with
 the pyarrow types of :data:`SCHEMA` (those of the in-memory ``rec.frame()``) and the
 ``gradscope.format`` tag of :mod:`gradscope.table.parquet`.
 
@@ -237,7 +237,7 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
 
     Args:
         path: a run folder, a folder of runs, one file, or a list of files.
-        columns: columns to read (default: all, in SPEC §3 order).
+        columns: columns to read (default: all, in the table's column order).
         filter: a ``pyarrow.dataset`` expression applied while reading
             (``ds.field("quantity") == "act_grad_norm"``).
         progress: show a progress bar over the files.

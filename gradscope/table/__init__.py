@@ -1,4 +1,4 @@
-"""The tidy long table of SPEC §3 and the helpers every consumer shares.
+"""The tidy long table (docs/table.md) and the helpers every consumer shares.
 
 - :mod:`gradscope.table.schema`: the columns, their dtypes, the site roles and the
   quantities; building (:func:`make_frame`, :func:`empty_frame`), checking

@@ -2,7 +2,7 @@
 
 A recorded value is one :class:`Key` and one float; ``run``, ``variant``, ``rank``,
 ``reduction`` and ``step`` are the same for a whole step and come separately
-(:class:`gradscope.sinks.RunInfo`). Field names are the table's columns (SPEC §3).
+(:class:`gradscope.sinks.RunInfo`). Field names are the table's columns (docs/table.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The parquet format of a gradscope table, in one place: tags, schema, atomic writes, checks.
 
 Every file gradscope writes (``save_frame``, a ``log_dir`` part) carries the
-``gradscope.format`` tag and the SPEC §3 columns with the pyarrow types of :data:`SCHEMA`
+``gradscope.format`` tag and the table's columns (docs/table.md) with the pyarrow types of :data:`SCHEMA`
 (those of the in-memory ``rec.frame()``), and is written to a temporary file and renamed,
 so a reader sees a whole file or none. :mod:`gradscope.io` (one file) and
 :mod:`gradscope.sinks.parquet` (a folder of parts) read and write through this module.
@@ -28,7 +28,7 @@ WRITTEN_KEY = b"gradscope.written_ns"
 (a run resumed into its own ``log_dir``) is read from the newest part that holds it."""
 
 SCHEMA: pa.Schema = pa.Schema.from_pandas(empty_frame(), preserve_index=False).remove_metadata()
-"""The pyarrow schema of every part file: the SPEC §3 columns with the types pandas gives
+"""The pyarrow schema of every part file: the table's columns (docs/table.md) with the types pandas gives
 ``rec.frame()`` (strings, int64, nullable int64 for ``layer``/``layer_j``, float64)."""
 
 

@@ -1,4 +1,4 @@
-"""The one interchange format: the tidy long table of SPEC §3.
+"""The one interchange format: the tidy long table (docs/table.md).
 
 Every recorded number is one row. Matrices (cosine similarities, DLCL weights) are rows
 ``(layer=i, layer_j=j, value)`` and are pivoted only to plot.
@@ -89,7 +89,7 @@ ZOO_SUFFIX_ROLES: tuple[tuple[str, str], ...] = (
     ("norm.out", "norm_out"), ("embed.out", "embed"), ("combine.out", "combine"), (".branch", "branch"),
     (".sum", "sum"),
 )
-"""Site-name suffix -> role for the zoo's canonical names (SPEC §2): the recorder's layout
+"""Site-name suffix -> role for the zoo's canonical names (docs/zoo.md, "Sites"): the recorder's layout
 decides roles with it, and ``gradscope.io`` reads old tables that have no ``role`` column."""
 
 SWEEP_COLUMNS: tuple[str, ...] = ("run", "variant", "init", "depth", "best_val_loss", "converged")

@@ -75,7 +75,7 @@ def sublayer(sites: pd.Series) -> pd.Series:
     The one place outside the recorder that reads a site name. The ``role`` column says what
     a site is (``norm_in``) and ``layer`` where it is, but not which of a layer's sub-layers
     it belongs to, which Takase's locations (:data:`LOCATIONS`) need. Zoo names are
-    ``<stack>.layers.<i>.<sublayer>.<...>`` (SPEC §2), and a norm's own name (the ``site``
+    ``<stack>.layers.<i>.<sublayer>.<...>`` (docs/zoo.md, "Sites"), and a norm's own name (the ``site``
     of ``ln_gain`` rows) has the same form.
 
     Args:

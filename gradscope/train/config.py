@@ -21,7 +21,7 @@ TRAJECTORY_FIELDS: tuple[str, ...] = (
 
 @dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    """How to train: the papers' recipe, scaled down (SPEC §4).
+    """How to train: the papers' recipe, scaled down (docs/papers.md).
 
     Adam(β=(0.9, 0.98), ε=1e-8, as Wang et al. 2019 §4.1 and fairseq), inverse-sqrt
     schedule with linear warm-up, label smoothing 0.1. The loss is the cross entropy in

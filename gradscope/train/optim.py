@@ -1,4 +1,4 @@
-"""Optimiser, learning-rate schedule and loss: the papers' recipe (SPEC §4).
+"""Optimiser, learning-rate schedule and loss: the papers' recipe (docs/papers.md).
 
 Loss facts recorded with every curve: ``LOSS_REDUCTION = "mean"`` over non-pad target
 tokens, ``LOSS_LOG_BASE = "e"`` (nats).
