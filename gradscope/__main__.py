@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 from pathlib import Path
 
 
@@ -78,7 +79,27 @@ def print_scan(result, out: Path, title: str) -> None:
     print(f"\nwrote {out / 'scan.png'} and {out / 'scan.parquet'}")
 
 
+def _show_as_cli(command: str):
+    """A ``warnings.showwarning`` for the command line: gradscope's own warnings as one line
+    naming the command (their location would be the interpreter's ``runpy``, no line of the
+    user's), any other warning as Python shows it."""
+    default = warnings.showwarning
+
+    def show(message, category, filename, lineno, file=None, line=None) -> None:
+        text = str(message)
+        if not text.startswith("gradscope: "):
+            default(message, category, filename, lineno, file, line)
+            return
+        print(f"gradscope {command}: warning: {text.removeprefix('gradscope: ')}", file=sys.stderr if file is None else file)
+    return show
+
+
 def main(argv: list[str] | None = None) -> int:
+    with warnings.catch_warnings():  # (the command's own warning display, put back on return)
+        return _main(argv)
+
+
+def _main(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m gradscope", description="gradscope command line")
     sub = parser.add_subparsers(dest="command", required=True)
     scan_parser(sub)
@@ -86,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
 
     report.add_parser(sub)
     args = parser.parse_args(argv)
+    warnings.showwarning = _show_as_cli(args.command)
     if args.command == "report":
         return report.run(args)
     scan = sub.choices["scan"]  # (errors below print the scan command's usage)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -65,6 +66,16 @@ def test_scan_runs_with_no_network(tmp_path):
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "bert.encoder.layer" in done.stdout
+    # gradscope's warnings read as the command's, not as a line of the interpreter's runpy
+    assert "gradscope scan: warning: attn_logit_max: no attention module recognised" in done.stderr, done.stderr
+    assert "runpy" not in done.stderr, done.stderr
+
+
+def test_the_command_line_puts_the_warning_display_back():
+    before = warnings.showwarning
+    with pytest.raises(SystemExit):
+        main(["scan", "--d-model", "0"])
+    assert warnings.showwarning is before
 
 
 def test_scan_warns_on_large_attention_logits_and_gradient_rms_near_adams_eps():
