@@ -35,15 +35,12 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from gradscope.models.norms import ScaleNorm
 from gradscope.models.sites import Site, SiteNorm
 from gradscope.recorder.hookset import own_class
+from gradscope.recorder.norm_modules import KNOWN_NORMS, is_norm, wraps_a_bare_norm  # noqa: F401  (re-exported)
+from gradscope.recorder.param_grouping import fill_groups, outside_groups
 from gradscope.table import ROLES, ZOO_SUFFIX_ROLES  # noqa: F401  (ROLES re-exported: what a site can be)
 
-KNOWN_NORMS = (
-    nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, ScaleNorm,
-    nn.modules.batchnorm._NormBase,
-)
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _ZOO_LAYER = re.compile(r"^(?P<stack>[^.]+)\.layers\.(?P<i>\d+)(\.|$)")
 
@@ -103,28 +100,6 @@ class Layout:
         return {p.name: p.role for p in self.probes}
 
 
-def is_norm(module: nn.Module, name: str = "") -> bool:
-    """Whether ``module`` normalises activations (see the module docstring for the rule)."""
-    if isinstance(module, SiteNorm):
-        return False  # its ``inner`` is the norm
-    if isinstance(module, KNOWN_NORMS):
-        return True
-    if "parametrizations" in name.split(".") or not type(module).__name__.endswith("Norm"):
-        return False
-    children = list(module.children())
-    if children and not wraps_a_bare_norm(module):
-        return False  # holds sub-modules: a layer, not a norm
-    return all(p.dim() <= 1 for p in module.parameters(recurse=False))
-
-
-def wraps_a_bare_norm(module: nn.Module) -> bool:
-    """A ``*Norm`` class whose one child is a norm with no parameters, the gain its own
-    (x-transformers' ``LayerNorm``: ``self.ln(x) * self.gamma``): the class is the norm."""
-    children = list(module.children())
-    return (len(children) == 1 and isinstance(children[0], KNOWN_NORMS) and not any(True for _ in children[0].parameters())
-            and type(module).__name__.endswith("Norm"))
-
-
 def is_zoo(model: nn.Module) -> bool:
     """A model that offers ``stacks()`` and holds gradscope ``Site`` modules."""
     return callable(getattr(model, "stacks", None)) and any(isinstance(m, Site) for m in model.modules())
@@ -178,7 +153,7 @@ def _zoo_layout(model: nn.Module) -> Layout:
     groups["memory"] = ("", None, [])
     mixers = {n: m for n, m in model.named_modules() if callable(getattr(m, "mixing_weights", None))}
     roles = {g: "embedding" if g.endswith(".embed") else "final_norm" for g in groups if g.endswith((".embed", ".final_norm"))}
-    return Layout(probes, norms, stacks, _fill_groups(model, groups), mixers, group_roles=roles)
+    return Layout(probes, norms, stacks, fill_groups(model, groups), mixers, group_roles=roles)
 
 
 # -- foreign models -----------------------------------------------------------------------
@@ -283,95 +258,14 @@ def _foreign_layout(model: nn.Module) -> Layout:
             "normalisation modules (nn.LayerNorm, nn.RMSNorm, or a leaf class named *Norm). Name sites by hand by "
             "placing gradscope.Site() modules in your forward (x = self.hook_resid(x))."
         )
-    outside, roles = _outside_groups(model, [p for p in groups if p in position], {st for st, _ in position.values()})
+    outside, roles = outside_groups(model, [p for p in groups if p in position], {st for st, _ in position.values()})
     final = {f"{g}.{end}" for g, r in roles.items() if r == "final_norm" for end in ("in", "out")}
     probes = [dataclasses.replace(p, role=f"final_{p.role}") if p.name in final and p.role in ("norm_in", "norm_out") else p
               for p in probes]
     not_norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("Norm") and not is_norm(m, n)
                  and next(m.children(), None) is None and any(p.dim() > 1 for p in m.parameters(recurse=False))]
-    return Layout(probes, norms, stacks, _fill_groups(model, groups, outside), {}, foreign=True, group_roles=roles,
+    return Layout(probes, norms, stacks, fill_groups(model, groups, outside), {}, foreign=True, group_roles=roles,
                   not_norms=not_norms)
-
-
-def _outside_groups(model: nn.Module, blocks: list[str], stacks: set[str] = frozenset()) -> tuple[dict, dict[str, str]]:
-    """A leaf group for every module outside the blocks that owns parameters (by their first
-    name, so a tied LM head adds nothing twice), with its role, by where it is registered
-    relative to the blocks: ``embedding`` (an ``nn.Embedding``, or anything before the first
-    block, or a module named ``embed...``: BERT's embedding LayerNorm, BART's
-    ``layernorm_embedding``, a feature encoder), ``final_norm`` (a norm beside a list of
-    blocks, in the same parent, that is the first module after that list or is named
-    ``final``: Llama's ``model.norm``, GPT-2's ``ln_f``, ``nn.Transformer``'s
-    ``encoder.norm``, OPT's ``final_layer_norm``; not a norm inside a head),
-    ``head`` (anything else after the last block: LM head, pooler, classifier) or ``other``
-    (a module beside a block in the same list entry, as x-transformers' norms; and, in a
-    model without a list of blocks, whatever is no embedding and no final norm, as there is
-    no before or after then)."""
-    modules = dict(model.named_modules())
-    order = {name: i for i, name in enumerate(modules)}
-    first_block = min((order[b] for b in blocks), default=len(order))
-    inside = [i for name, i in order.items() if any(name == b or name.startswith(f"{b}.") for b in blocks)]
-    last_block = max(inside, default=-1)  # (a module shared by two blocks is listed under the first only)
-    entries = {b.rpartition(".")[0] for b in blocks}  # the list entries the blocks are in
-    owners = []
-    for pname, _ in model.named_parameters():
-        if not any(pname.startswith(f"{b}.") for b in blocks):
-            owners.append((pname.rpartition(".")[0], pname))
-    ends = [max(i for name, i in order.items() if name == b or name.startswith(f"{b}.")) for b in blocks]
-    taken = sorted({order[o] for o, _ in owners})
-
-    named_embed = {order[o] for o, _ in owners if "embed" in o.rpartition(".")[2].lower()}
-    parents = {st.rpartition(".")[0] for st in stacks}  # where a stack's final norm sits, beside the list
-
-    def right_after_a_stack(at: int) -> bool:  # the first owner after some block list ends (nn.Transformer's encoder.norm)
-        end = max((e for e in ends if e < at), default=None)
-        return (end is not None and not any(end < i < at and i not in named_embed for i in taken)
-                and not any(end < order[b] < at for b in blocks))
-    groups: dict[str, tuple] = {}
-    roles: dict[str, str] = {}
-    for owner, pname in owners:
-        module, group = modules[owner], owner or pname  # a parameter of the root: a group of its own
-        if group not in groups:
-            beside = owner.rpartition(".")[0] in parents or not stacks
-            if "embed" in owner.rpartition(".")[2].lower():
-                roles[group] = "embedding"
-            elif beside and "final" in owner.rpartition(".")[2] and (is_norm(module, owner) or "norm" in owner.rpartition(".")[2].lower()):
-                roles[group] = "final_norm"
-            elif any(owner.startswith(f"{e}.") for e in entries if e) and not any(owner.startswith(f"{b}.") for b in blocks):
-                roles[group] = "other"  # beside a block in its list entry (x-transformers: [norms, block, residual])
-            elif isinstance(module, nn.Embedding) or (blocks and order[owner] < first_block):
-                roles[group] = "embedding"
-            elif beside and is_norm(module, owner) and right_after_a_stack(order[owner]):
-                roles[group] = "final_norm"
-            elif blocks and order[owner] > last_block:
-                roles[group] = "head"
-            else:
-                roles[group] = "other"
-            groups[group] = ("", None, [])
-        groups[group][2].append(pname)
-    for group in [g for g in groups if any(o.startswith(f"{g}.") for o in groups)]:  # a module's own parameters
-        members, role = groups.pop(group)[2], roles.pop(group)  # beside a child's group: one leaf group each
-        for pname in members:
-            groups[pname], roles[pname] = ("", None, [pname]), role
-    return groups, roles
-
-
-def _fill_groups(model: nn.Module, groups: dict, filled: dict | None = None) -> dict:
-    """Puts every parameter name in the groups whose prefix it has. A parameter shared by
-    two modules is listed under each of its names in the groups that hold others (both
-    blocks' layer groups), but in one leaf group only, that of its first name, so that the
-    leaf groups' squares add up to the total's. ``filled``: groups whose members are given
-    (by first name only), added as they are."""
-    for pname, _ in model.named_parameters(remove_duplicate=False):
-        groups[""][2].append(pname)
-        for gname, (_, _, members) in groups.items():
-            if gname and pname.startswith(f"{gname}."):
-                members.append(pname)
-    first = {n for n, _ in model.named_parameters()}
-    for gname, (_, _, members) in groups.items():
-        if gname and not any(other.startswith(f"{gname}.") for other in groups):  # a leaf group
-            members[:] = [m for m in members if m in first]
-    groups.update(filled or {})
-    return {g: v for g, v in groups.items() if v[2]}
 
 
 def site_names(model: nn.Module) -> list[str]:
