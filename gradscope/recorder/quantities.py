@@ -285,13 +285,14 @@ class Spike(Quantity):
 
 
 class Replay(Quantity):
-    """A step the spike watch flagged and recorded by running it again
-    (``Recorder(on_spike="replay")``, :mod:`gradscope.recorder.replay`); rows written by the replay."""
+    """A step the spike watch flagged (``Recorder(on_spike="replay")``,
+    :mod:`gradscope.recorder.replay`), recorded by running it again unless the schedule
+    recorded it already; rows written by the watch."""
 
-    name, also_names, taken = "replay", ("replay_mismatch",), "on a step the on_spike watch flagged and replayed"
+    name, also_names, taken = "replay", ("replay_mismatch",), "on a step the on_spike watch flagged"
     logged_by_gradscope = True  # (Recorder.log takes the name from the replay)
-    description = ("a step recorded by re-running it because the on_spike watch flagged its loss or gradient norm: "
-                   "value = the watch's z-score; replay_mismatch: relative difference of the replayed loss or "
+    description = ("a step the on_spike watch flagged for its loss or gradient norm, recorded by re-running it "
+                   "(or by the schedule): value = the watch's z-score; replay_mismatch: relative difference of the replayed loss or "
                    "gradient norm from the original, when not 0")
     paper = "OLMo-core's loss-spike rule; Megatron's RerunStateMachine"
 

@@ -172,6 +172,7 @@ class Recorder(RecordedTable, StepRunner):
         self._updates = UpdateRatioHooks(self.groups, self._late.rows, self._checks.warn_once)
         self._closed = self._closed_inside = False
         self._lr_from_optimizer = optimizer is not None
+        self._watching = watch is not None  # (the optimizer's step hooks then also tell Recorder.run a step inside it)
         if optimizer is not None:
             self.attach_optimizer(optimizer)
         self._replay = SpikeReplay(self, model, watch, self._grad_scale) if watch is not None else None
@@ -190,7 +191,7 @@ class Recorder(RecordedTable, StepRunner):
         self.optimizer = optimizer
         self._scaler_watch.attach(optimizer)
         self._updates.remove()
-        if "update_ratio" in self.quantities or "lr" in self.quantities:  # (also the lr an update inside the step used)
+        if "update_ratio" in self.quantities or "lr" in self.quantities or self._watching:  # (lr: the one an update inside the step used)
             self._updates.attach(optimizer)
 
     # -- the step context ----------------------------------------------------------------

@@ -141,7 +141,7 @@ class SpikeWatch:
         self.last: Reading | None = None
 
     def state_dict(self) -> dict:
-        """The rule's windows (a checkpoint); the flagged readings stay in the table's rows."""
+        """The rule's windows (a checkpoint); each flagged step has a ``replay`` row in the table."""
         return self._rule.state_dict()
 
     def load_state_dict(self, state: dict) -> None:
@@ -207,11 +207,22 @@ class SpikeReplay:
 
     @property
     def params(self) -> list[nn.Parameter]:
-        """The model's parameters now, read live through the Recorder's parameter groups
-        (``fully_shard`` and ``load_state_dict(assign=True)`` put new parameter objects in
-        place: a list kept from construction would give a norm of 0 and a replay that clears
-        the wrong gradients)."""
-        return self.recorder.groups.params
+        """The parameters whose gradients the watch reads and a replay sets aside: the model's
+        now, read live through the Recorder's parameter groups (``fully_shard`` and
+        ``load_state_dict(assign=True)`` put new parameter objects in place: a list kept
+        from construction would give a norm of 0 and a replay that clears the wrong
+        gradients), then those of the attached optimizer that the model does not hold (a
+        head or a loss's parameters outside it: left in place, a replay would add its
+        gradients to theirs)."""
+        params = self.recorder.groups.params
+        optimizer = self.recorder.optimizer
+        if optimizer is None:
+            return params
+        held = set(map(id, params))
+        extra = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"] if id(p) not in held]
+        if not extra:
+            return params
+        return params + list({id(p): p for p in extra}.values())
 
     def before(self) -> None:
         """Takes the RNG states, before the step's closure runs."""
@@ -221,6 +232,9 @@ class SpikeReplay:
         norm = total_grad_norm(self.params)
         scale = self.grad_scale()
         watched = norm / scale.to(norm.device) if scale is not None else norm
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            raise TypeError(f"Recorder.run: the closure must return the step's loss (a 0-d tensor or a number), got a "
+                            f"tensor of shape {tuple(loss.shape)} (reduce it, e.g. loss.mean(), as backward() needs)")
         if isinstance(loss, torch.Tensor):
             value = loss.detach().float().reshape(()).to(norm.device)
         elif isinstance(loss, (int, float)):
@@ -243,24 +257,29 @@ class SpikeReplay:
         Returns:
             The watch's reading of the step.
         """
+        if self._rng is None:  # (at every step, not first at a spike hours into the run)
+            raise RuntimeError(f"Recorder: step {step} is watched but its RNG states were not taken before it ran "
+                               "(open the step with rec.run or rec.begin_step, then call check_spike after end_step)")
         norm, values = self._values(loss)
         self.grad_norm = norm
         loss_value, norm_value = values.tolist()  # the watch's one host sync
         reading = self.watch.observe(step, loss_value, norm_value)
         if reading.flagged and not recorded:
             self._replay(reading, rerun, log_loss)
+        elif reading.flagged:  # (recorded by the schedule already: its rows are there; the flag too)
+            self.recorder.log("replay", reading.z, step=step)
         self._rng = None
         return reading
 
     def _replay(self, reading: Reading, rerun: Callable[[], object], log_loss: bool) -> None:
         rec, step = self.recorder, reading.step
-        if self._rng is None:
-            raise RuntimeError(f"Recorder: step {step} spiked but its RNG states were not taken before it ran "
-                               "(open the step with rec.run or rec.begin_step)")
         after = RngStates()
         params = self.params
         grads = [p.grad for p in params]
-        buffers = [(b, b.detach().clone()) for b in self.model.buffers()]
+        # each buffer slot's tensor and its values: a forward that assigns a new tensor
+        # (``self.ema = 0.9 * self.ema + ...``) is undone by putting the tensor back
+        buffers = [(m._buffers, name, b, b.detach().clone()) for m in self.model.modules()
+                   for name, b in m._buffers.items() if b is not None]
         for p in params:
             p.grad = None
         self._rng.restore()
@@ -280,14 +299,16 @@ class SpikeReplay:
             for p, g in zip(params, grads):
                 p.grad = g
             with torch.no_grad():
-                for b, saved in buffers:
+                for slots, name, b, saved in buffers:
+                    slots[name] = b
                     b.copy_(saved)
             after.restore()
         loss_again, norm_again = again.tolist()
         diff = max(_relative(loss_again, reading.loss), _relative(norm_again, reading.grad_norm))
         if diff > 0:
-            warnings.warn(f"gradscope: the replay of step {step} differs from the step as it ran (loss {reading.loss:.6g} "
-                          f"-> {loss_again:.6g}, gradient norm {reading.grad_norm:.6g} -> {norm_again:.6g}: "
+            warnings.warn(f"gradscope: the replay of step {step} differs from the step as it ran by {diff:.3g} relative "
+                          f"(loss {reading.loss:.9g} -> {loss_again:.9g}, gradient norm {reading.grad_norm:.9g} -> "
+                          f"{norm_again:.9g}: "
                           "non-deterministic kernels, or a closure with side effects); its rows are kept, with a "
                           "replay_mismatch row (the larger relative difference)", stacklevel=4)
             rec.log("replay_mismatch", diff, step=step)

@@ -41,6 +41,7 @@ class StepRunner:
             What the closure returned.
         """
         recorded = self.begin_step(step)
+        begun = self._updates.begun
         try:
             out = closure()
             if log_loss and recorded and not self._closed:
@@ -49,6 +50,11 @@ class StepRunner:
             self.abort_step()
             raise
         self.end_step()
+        if self._replay is not None and self._updates.begun != begun:
+            raise RuntimeError(f"Recorder.run: the closure of step {step} stepped the optimizer; with on_spike it runs "
+                               "again on a spiking step, which would step it twice, and the watch would read the "
+                               "gradients after the update. Call optimizer.step() and zero_grad() after rec.run returns "
+                               "(the closure runs forward and backward only)")
         if self._replay is not None and not self._closed:
             self._replay.after(step, out, closure, recorded=recorded, log_loss=log_loss)
         return out
@@ -59,10 +65,14 @@ class StepRunner:
         ``rerun`` (forward and backward of the whole step again) when it spiked unrecorded.
 
         Raises:
-            RuntimeError: the Recorder was made without ``on_spike``.
+            RuntimeError: the Recorder was made without ``on_spike``; a step is still open
+                (call it after ``end_step``); the step was not opened with ``begin_step``.
         """
         if self._replay is None:
             raise RuntimeError("Recorder.check_spike: the Recorder was made without on_spike ('replay')")
+        if self._step is not None:
+            raise RuntimeError(f"Recorder.check_spike({step}): step {self._step} is still open; call check_spike "
+                               "after end_step() (the replay opens the step again)")
         return self._replay.after(step, loss, rerun, recorded=self.records(step), log_loss=log_loss)
 
     @property

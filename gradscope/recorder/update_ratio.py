@@ -32,6 +32,7 @@ class UpdateRatioHooks:
         self.lr_used = None  # the first group's lr when the optimizer stepped inside the open recorded step
         self._before: list[torch.Tensor] | None = None
         self._stepping = False  # between the optimizer's pre- and post-step hooks
+        self.begun = 0  # optimizer steps begun since the hooks were attached (Recorder.run's check)
         self._handles: list = []
 
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
@@ -71,6 +72,7 @@ class UpdateRatioHooks:
 
     def _before_step(self, optimizer, args, kwargs) -> None:
         self._stepping = True
+        self.begun += 1
         if self.step_open:  # (the lr this update uses: a scheduler stepping inside the step changes it before it ends)
             lr = optimizer.param_groups[0]["lr"]
             self.lr_used = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
