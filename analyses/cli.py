@@ -41,6 +41,9 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true",
                         help="print the planned runs and build each model once, then exit without training "
                              "or writing anything")
+    parser.add_argument("--redraw", action="store_true",
+                        help="draw the figure and write CLAIMS.md again from the table an earlier run saved in "
+                             "--out (same --preset and flags), without training")
     parser.add_argument("--no-progress", action="store_true", help="hide the per-run tqdm bars")
     return parser
 

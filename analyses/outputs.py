@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -14,16 +15,33 @@ matplotlib.use(os.environ.get("MPLBACKEND") or "Agg")  # figures are only ever s
 
 import matplotlib.pyplot as plt  # noqa: E402
 import pandas as pd  # noqa: E402
+import pyarrow.parquet as pq  # noqa: E402
 from matplotlib.figure import Figure  # noqa: E402
 
 import gradscope  # noqa: E402
 from gradscope.claims import Verdict, verdict_line, write_claims  # noqa: E402
 from gradscope.io import atomic_write  # noqa: E402
+from gradscope.table.parquet import to_arrow  # noqa: E402
 
 
-def save_table(df: pd.DataFrame, out: Path, name: str) -> Path:
-    """The tidy table as ``out/<name>.parquet`` (``gradscope.save_frame``, atomic)."""
-    return gradscope.save_frame(df, out / f"{name}.parquet")
+SETTING_KEY = b"analyses.setting"  # the parquet metadata that records the run's setting (--redraw checks it)
+
+
+def save_table(df: pd.DataFrame, out: Path, name: str, setting: dict | None = None) -> Path:
+    """The tidy table as ``out/<name>.parquet`` (as ``gradscope.save_frame``: the format tag,
+    atomic), with the analysis's ``setting`` (preset, seed, flags) in its metadata."""
+    if setting is None:
+        return gradscope.save_frame(df, out / f"{name}.parquet")
+    gradscope.table.validate(df.columns, source="save")
+    table = to_arrow(df)
+    table = table.replace_schema_metadata({**table.schema.metadata, SETTING_KEY: json.dumps(setting, sort_keys=True)})
+    return atomic_write(out / f"{name}.parquet", lambda tmp: pq.write_table(table, tmp))
+
+
+def saved_setting(path: Path) -> dict | None:
+    """The setting :func:`save_table` recorded in ``path``, or None (a table saved without one)."""
+    raw = (pq.read_schema(path).metadata or {}).get(SETTING_KEY)
+    return None if raw is None else json.loads(raw)
 
 
 def save_plain_table(df: pd.DataFrame, out: Path, name: str) -> Path:
@@ -63,8 +81,10 @@ def report(verdicts: Sequence[Verdict], out: Path, analysis: str) -> None:
     write_claims(verdicts, out / "CLAIMS.md", analysis=analysis)
 
 
-def publish(df: pd.DataFrame, fig: Figure, verdicts: Sequence[Verdict], out: Path, name: str) -> None:
-    """Saves ``name``'s table and figure into ``out``, prints its verdicts and updates CLAIMS.md."""
-    save_table(df, out, name)
+def publish(df: pd.DataFrame, fig: Figure, verdicts: Sequence[Verdict], out: Path, name: str,
+            setting: dict | None = None) -> None:
+    """Saves ``name``'s table (with ``setting`` in its metadata) and figure into ``out``, prints
+    its verdicts and updates CLAIMS.md."""
+    save_table(df, out, name, setting)
     save_figure(fig, out, name)
     report(verdicts, out, name)

@@ -14,6 +14,7 @@ import argparse
 import contextlib
 import dataclasses
 import time
+from pathlib import Path
 from collections.abc import Callable, Iterator, Sequence
 from typing import ClassVar
 
@@ -22,10 +23,11 @@ import torch
 from matplotlib.figure import Figure
 
 from analyses.cli import parse_args
-from analyses.outputs import annotate, publish, save_plain_table
+from analyses.outputs import annotate, publish, report, save_figure, save_plain_table, saved_setting
 from analyses.runs import Bench, RunSpec, cap_steps, dry_run
 from gradscope import presets
 from gradscope.claims import Verdict
+from gradscope.io import load
 from gradscope.table import concat
 from gradscope.train import resolve_device
 
@@ -90,10 +92,20 @@ class Analysis:
         """Further tables to save beside the tidy one, by file name (default: none)."""
         return {}
 
+    def restore(self, out: Path) -> None:
+        """``--redraw``: reads back from ``out`` what :meth:`collect` kept besides the tidy
+        table (default: nothing)."""
+
     # -- helpers for subclasses ---------------------------------------------------------------
     def quantities_for(self, spec: RunSpec) -> tuple[str, ...]:
         """What the default :meth:`collect` records of ``spec`` (default: :attr:`quantities`)."""
         return self.quantities
+
+    def run_setting(self) -> dict:
+        """What the table depends on besides the code: preset, seed and the flags that change
+        runs (recorded in the saved table; ``--redraw`` checks it)."""
+        return {"preset": self.preset.name, "seed": self.seed, "max_steps": self.max_steps,
+                "batch_size": self.preset.batch_size, "init_only": self.init_only}
 
     @property
     def batch_reduced(self) -> bool:
@@ -170,6 +182,8 @@ def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
     analysis = kind(args.preset, seed=args.seed, device=args.device, max_steps=args.max_steps,
                     batch_size=args.batch_size, init_only=args.init_only)
     specs = analysis.plan()
+    if getattr(args, "redraw", False):
+        return redraw(analysis, specs, args)
     with session(args, kind.name) as device:
         task = analysis.task(args.seed)
         if args.dry_run:
@@ -181,7 +195,38 @@ def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
         verdicts = analysis.noted(analysis.conclude(table))
         for name, extra in analysis.extra_tables(table).items():
             save_plain_table(extra, args.out, name)
-        publish(table, analysis.draw(table, verdicts), verdicts, args.out, kind.name)
+        publish(table, analysis.draw(table, verdicts), verdicts, args.out, kind.name, analysis.run_setting())
+    return verdicts
+
+
+def redraw(analysis: Analysis, specs: Sequence[RunSpec], args: argparse.Namespace) -> list[Verdict]:
+    """``--redraw``: the verdicts, figure and further tables again from the table a run saved in
+    ``--out`` (the table itself is not written).
+
+    Raises:
+        SystemExit: no table there, or one whose runs are not those the preset plans (another
+            preset or depth: the footer would name the wrong one).
+    """
+    name = type(analysis).name
+    path = args.out / f"{name}.parquet"
+    if not path.exists():
+        raise SystemExit(f"{name}: --redraw needs the table {path}; run the analysis without --redraw first")
+    table, saved, now = load(path), saved_setting(path), analysis.run_setting()
+    if saved is not None and saved != now:
+        differ = ", ".join(f"{k} {saved.get(k)!r} there, {now.get(k)!r} now" for k in sorted(set(saved) | set(now))
+                           if saved.get(k) != now.get(k))
+        raise SystemExit(f"{name}: --redraw: {path} was made with another setting ({differ}); "
+                         "pass the --preset and flags that table was made with")
+    planned, found = [spec.run for spec in specs], set(table.run.unique())
+    if set(planned) != found:  # (a table saved without its setting: its runs at least must be the plan's)
+        raise SystemExit(f"{name}: --redraw: {path} holds the runs {sorted(found)}, while --preset {args.preset} "
+                         f"plans {planned}; pass the --preset and flags that table was made with")
+    analysis.restore(args.out)
+    verdicts = analysis.noted(analysis.conclude(table))
+    for extra_name, extra in analysis.extra_tables(table).items():
+        save_plain_table(extra, args.out, extra_name)
+    save_figure(analysis.draw(table, verdicts), args.out, name)
+    report(verdicts, args.out, name)
     return verdicts
 
 

@@ -24,6 +24,8 @@ the replayed step and of the steps recorded before and after it, and their ratio
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import sys
 
 import matplotlib.pyplot as plt
@@ -120,6 +122,12 @@ class SpikeReplay(Analysis):
 
     def extra_tables(self, df: pd.DataFrame) -> dict[str, pd.DataFrame]:
         return {"spike_replay_watch": self._watch}
+
+    def restore(self, out: Path) -> None:
+        path = out / "spike_replay_watch.parquet"
+        if not path.exists():
+            raise SystemExit(f"spike_replay: --redraw needs {path} (the watch's readings) beside the table")
+        self._watch = pd.read_parquet(path)
 
     def neighbours(self) -> tuple[int, int]:
         """The steps the watched run's schedule recorded just before and after the planted one."""

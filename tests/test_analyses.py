@@ -49,6 +49,16 @@ def test_analysis_runs_at_ci(name, tmp_path, capsys):
     assert all("| ci |" in r for r in rows)
     assert not list(tmp_path.glob(".*.tmp")), "atomic writes leave no temporary file"
 
+    # --redraw: the same figure and CLAIMS.md from the saved table, which it leaves alone
+    parquet = (tmp_path / f"{name}.parquet").read_bytes()
+    (tmp_path / f"{name}.png").unlink()
+    assert module(name).main(["--preset", "ci", "--out", str(tmp_path), "--redraw", "--device", "cpu"]) == 0
+    assert (tmp_path / f"{name}.png").read_bytes() == png
+    assert (tmp_path / "CLAIMS.md").read_text() == claims_md
+    assert (tmp_path / f"{name}.parquet").read_bytes() == parquet
+    with pytest.raises(SystemExit, match="pass the --preset and flags that table was made with"):
+        module(name).main(["--preset", "default", "--out", str(tmp_path), "--redraw", "--device", "cpu"])
+
     if name == "convergence":
         import pandas as pd
 
