@@ -96,6 +96,7 @@ class Capture(SiteObserver):
         self.backwards = 0  # backwards seen in the open recorded step
         self.after_backward: Callable[[], None] | None = None  # told at the end of each backward of a recorded step
         self.grad_forwards = 0  # forwards of the open recorded step that ran with grad enabled
+        self.forwards = 0  # forwards of the open recorded step, with grad or without
         self.device: torch.device | None = None
         self.collector: torch.Tensor | None = None
         self.first_calls: torch.Tensor | None = None  # the collector's slots of first calls (Capture.traced_slot)
@@ -211,7 +212,7 @@ class Capture(SiteObserver):
         self.calls = {}
         self.recalls = [0] * self.n_counters
         self.seq = 0
-        self.backwards = self.grad_forwards = 0
+        self.backwards = self.grad_forwards = self.forwards = 0
         self.eager.begin()
         if attention or rms or logits:
             self.signals.begin(device, attention=attention, rms=rms, logits=logits)
@@ -324,6 +325,7 @@ class Capture(SiteObserver):
         self.calls = {}
         self.recalls = [0] * self.n_counters
         self.seq = 0
+        self.forwards += 1
         if torch.is_grad_enabled():
             self.grad_forwards += 1
         if self.want_cosine:

@@ -80,6 +80,17 @@ class StepChecks:
         if not self.ever_seen:  # (a walk over the parameters: only until a hook has fired)
             self._grad_versions = grad_versions(self.model)
 
+    def merged(self, step: int, names: list[str]) -> None:
+        """Warns (once) that ``names``, site statistics of the user's, have no rows at slots
+        that took several calls in one micro-step (``StepData.merged``)."""
+        if names:
+            self.warn_once("merged_stats", f"{names}: in step {step} sites were called several times in one micro-step "
+                           "(several forwards before one backward, or a module called more than "
+                           f"max_calls={self.K} times, whose later calls share its last row); a site statistic of "
+                           "your own is not combined across such calls (its over_micro_steps combines micro-steps), "
+                           "so those sites have no rows of it. Give each forward its own backward, or raise "
+                           "RecorderOptions(max_calls=...). Not reported again.")
+
     def after(self, step: int, data: StepData, calls: list[int], wants: set[str]) -> None:
         """Raises when no hook fired although backward ran; warns (once each) about a step
         with no backward, sites that saw no call, stacks without cosine rows, norms whose

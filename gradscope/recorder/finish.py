@@ -74,6 +74,7 @@ def host_marks(marks: list[tuple[array, tuple[int, list[int]]]], n_taps: int) ->
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
               wants: set[str], params_unscaled: bool | None, backwards: int = 1, grad_forwards: int = 1,
+              forwards: int | None = None, call_counts: list[int] | None = None,
               value_stats: tuple[str, ...] = (),
               grad_stats: tuple[str, ...] = (), width: int = FWD, key_cache: dict | None = None
               ) -> tuple[list, np.ndarray, StepData]:
@@ -89,6 +90,11 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     that read gradients have no rows (their values would be 0.0 or an earlier step's); so too
     when a forward ran but none with grad enabled (``grad_forwards``: an evaluation step
     under ``torch.no_grad``), whose ``p.grad`` would be an earlier step's.
+
+    ``forwards`` (the step's forwards) and ``call_counts`` (each counter's calls in the last one)
+    tell the slots that took several calls in one micro-step: several forwards in one, or a
+    module called more than ``K`` times (its later calls share the last slot). Built-in
+    norms add up there; a user's site statistic does not (``StepData.merged``).
     """
     values = np.asarray(values, dtype=np.float64).copy()
     keys = [k if isinstance(k, Key) else Key(*k) for k in keys]
@@ -134,11 +140,17 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
             order[:, i * K:(i + 1) * K] = -np.abs(order[:, i * K:(i + 1) * K])
     if scale is not None:
         grad_sq = grad_sq / (scale * scale)
+    merged = np.zeros(n_taps, dtype=bool)  # slots that took several calls in one micro-step
+    if forwards is not None and forwards > len(collector):
+        merged[:] = True
+    for i, n in enumerate((call_counts or [])[:len(points)]):
+        if n > K:
+            merged[i * K + K - 1] = True
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
     user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
     data = StepData(layout, points, K, grad_sq, arrived, order, value, device, blocks, unfit, no_backward, low,
                     user_values, user_grads, untold, guessed, traced=traced[:, :n_taps], backwards=backwards,
-                    grad_forwards=grad_forwards, key_cache={} if key_cache is None else key_cache)
+                    grad_forwards=grad_forwards, key_cache={} if key_cache is None else key_cache, merged=merged)
     rows: list = []
     for name, quantity in quantities.items():
         if name in wants and not quantity.logged:

@@ -130,11 +130,21 @@ class Quantity:
         and the step's row combined by ``over_micro_steps``).
         """
         rows = list(data.device.get(self.name, []))
-        if self.takes_site_values:
-            rows += data.site_rows(self.name, data.user_values[self.name], data.value_called, self.over_micro_steps)
-        if self.takes_site_grads:
-            rows += data.site_rows(self.name, data.user_grads[self.name], data.got, self.over_micro_steps)
+        single = ~data.merged if data.merged is not None else True  # (slots of several calls in a micro-step: none)
+        if self.takes_site_values:  # (a later call's value replaced an earlier one's)
+            rows += data.site_rows(self.name, data.user_values[self.name], data.value_called & single,
+                                   self.over_micro_steps)
+        if self.takes_site_grads:  # (the calls' values were added: right for a sum only)
+            got = data.got if self.over_micro_steps == "sum" else data.got & single
+            rows += data.site_rows(self.name, data.user_grads[self.name], got, self.over_micro_steps)
         return rows
+
+    def merged_away(self, data: StepData) -> bool:
+        """Whether :meth:`rows`' default leaves out slots of ``data`` that took several
+        calls in one micro-step (the Recorder warns)."""
+        if data.merged is None or not data.merged.any() or type(self).rows is not Quantity.rows:
+            return False
+        return self.takes_site_values or (self.takes_site_grads and self.over_micro_steps != "sum")
 
     # -- what the Recorder asks --------------------------------------------------------------
     @property

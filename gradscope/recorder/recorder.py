@@ -349,25 +349,29 @@ class Recorder(RecordedTable, StepRunner):
             for name, quantity in self._quantities.items():
                 if name in wants:
                     ctx.current = quantity
-                    quantity.collect(ctx)
+                    if quantity.collect(ctx) is not None:
+                        raise TypeError(f"{type(quantity).__name__}.collect returned a value, which records nothing: "
+                                        "add values with ctx.add(key, value), ctx.add_many or ctx.add_model_value")
             buf.add_block("snapshots", [t for g, f, _, _ in snapshots for t in (g, f)], (len(snapshots), -1))
             values = buf.transfer()  # the one host transfer of this step
         host = (values, [(m, r) for _, _, m, r in snapshots], wants, calls,
                 self._scaler_watch.params_unscaled(self._checks.warn_once),
-                self._capture.backwards, self._capture.grad_forwards)
+                self._capture.backwards, self._capture.grad_forwards, self._capture.forwards)
         self._late.step(step, host, now=not self._checks.ever_seen)  # (until a hook fired: checked now)
 
     def _rows(self, step: int, host: tuple) -> tuple[list, np.ndarray]:
         """The rows of one recorded step from its host values (:class:`LateRows` calls it)."""
-        transferred, marks, wants, calls, params_unscaled, backwards, grad_forwards = host
+        transferred, marks, wants, calls, params_unscaled, backwards, grad_forwards, forwards = host
         keys, values, blocks = transferred.arrays()
         blocks["marks"], blocks["reached"] = host_marks(marks, self._capture.n_taps)
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
                                        K=self._capture.K, quantities=self._quantities, wants=wants,
                                        params_unscaled=params_unscaled, backwards=backwards, grad_forwards=grad_forwards,
+                                       forwards=forwards, call_counts=calls,
                                        value_stats=self._value_stats, grad_stats=self._grad_stats,
                                        width=self._capture.width, key_cache=self._key_cache)
         self._checks.after(step, data, calls, wants)
+        self._checks.merged(step, [n for n in self._quantities if n in wants and self._quantities[n].merged_away(data)])
         return keys, values
 
     def _device(self) -> torch.device:

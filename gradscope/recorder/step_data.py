@@ -44,6 +44,10 @@ class StepData:
     backwards: int = 1  # backwards the capture saw in the step
     grad_forwards: int = 1  # forwards of the step that ran with grad enabled
     key_cache: dict = field(default_factory=dict)  # the Recorder's: step-row keys kept from step to step (step_keys)
+    # (taps,) bool: slots that took several calls in one micro-step (several forwards in it, or calls
+    # past max_calls sharing the last slot): a user's site statistic holds the last value (site_value)
+    # or the sum of the values (site_grad) there, not their combination by its rule: no rows
+    merged: np.ndarray | None = None
 
     @property
     def micro_steps(self) -> int:
