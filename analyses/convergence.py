@@ -90,7 +90,7 @@ class Convergence(Analysis):
         for ax, quantity, label in zip(axes, ("loss", "val_loss"), ("training", "validation")):
             plots.loss_curves(deep, quantity=quantity, hue="run", hue_order=order, ax=ax,
                               title=f"Takase Fig. 1/6/9: {label} loss, {setting}")
-        plots.depth_sweep(self.summary(df), ax=axes[2],
+        plots.depth_sweep(self.summary(df), order=[f"{v}+{i}" for v, i in CONFIGS], ax=axes[2],  # (the curves' colours)
                           title=f"Takase Fig. 8 / Xu Tables 1, 3 / Wang Fig. 3 · preset {self.preset.name}")
         return self.annotate(fig, "Convergence against depth (layers per stack, encoder = decoder)", [
             self.plan()[0].train.describe(),

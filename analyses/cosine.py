@@ -62,9 +62,9 @@ class Cosine(Analysis):
             for col, variant in enumerate(VARIANTS):
                 plots.cosine_heatmap(df, variant=variant, stack=stack, ax=axes[row, col],
                                      title=f"Takase Fig. 5: {variant} {n}L-{n}L · preset {preset}")
-        for ax, quantity in zip(axes[:, 3], ("loss", "val_loss")):
+        for ax, quantity, label in zip(axes[:, 3], ("loss", "val_loss"), ("training", "validation")):
             plots.loss_curves(df, quantity=quantity, hue_order=VARIANTS, ax=ax,
-                              title=f"training of the three models · preset {preset}")
+                              title=f"{label} loss of the three models · preset {preset}")
         return self.annotate(fig, "Cosine similarities among layer outputs after training (eval mode, validation batch 0)",
                              [self.plan()[0].train.describe(), "same hyper-parameters for every variant; xavier init"],
                              verdicts)

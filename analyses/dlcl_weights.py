@@ -18,6 +18,7 @@ W's mass concentrates near the diagonal.
 
 from __future__ import annotations
 
+import math
 import sys
 
 import matplotlib.pyplot as plt
@@ -68,10 +69,12 @@ class DLCLWeights(Analysis):
         (spec,) = self.plan()
         fig, axes = plt.subplots(2, 3, figsize=(20, 12), layout="constrained")
         label = f"{spec.run} · preset {self.preset.name}"
+        weights = df.loc[df["quantity"] == "dlcl_weight", "value"].abs()
+        vlim = max(0.05, math.ceil(float(weights.max()) * 20) / 20) if len(weights) else 1.0  # (one scale for the four)
         for col, (stack, panel) in enumerate(zip(STACKS, ("a", "b"))):
-            plots.dlcl_heatmap(df, variant=VARIANT, stack=stack, ax=axes[0, col],
+            plots.dlcl_heatmap(df, variant=VARIANT, stack=stack, vlim=vlim, ax=axes[0, col],
                                title=f"Wang Fig. 5{panel}: learned {stack} W, {label}")
-            plots.dlcl_heatmap(df, variant=VARIANT, stack=stack, step="first", ax=axes[1, col],
+            plots.dlcl_heatmap(df, variant=VARIANT, stack=stack, step="first", vlim=vlim, ax=axes[1, col],
                                title=f"{stack} W at init (avg), {label}")
         steps = sorted(int(x) for x in df.loc[df["quantity"] == "dlcl_weight", "step"].unique())
         plots.dlcl_column(df, column=self.column, variant=VARIANT, stack="encoder", step=steps, ax=axes[0, 2],
@@ -79,7 +82,7 @@ class DLCLWeights(Analysis):
         plots.loss_curves(df, quantity="val_loss", ax=axes[1, 2], title=f"validation loss, {label}")
         return self.annotate(fig, "Learned DLCL weights W[r, k] (row r = input of layer r+1; r = L: stack output)",
                              [spec.train.describe(), "masking on panels a, b and the init row: |w| < 0.1 or < 5% of the "
-                              "row max |w| (Wang 2019), above-diagonal cells not recorded"], verdicts)
+                              "row max |w| (Wang 2019), grey; above-diagonal cells not recorded, grey"], verdicts)
 
 
 ANALYSIS = DLCLWeights

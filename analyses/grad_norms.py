@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 
 import matplotlib.pyplot as plt
+import numpy as np
 import pandas as pd
 
 from analyses.outputs import tag
@@ -83,8 +84,10 @@ class GradNorms(Analysis):
         runs = self.embed_runs()
         plots.embed_grad_vs_depth(df, runs, ax=axes[0, 2],
                                   title=f"Wang §5: post_ln, decoder {self.preset.shallow}L · preset {preset}")
+        depth_colors = plt.get_cmap("viridis")(np.linspace(0.0, 0.85, len(runs)))  # (not the variants' colours)
         plots.layer_norms(df.loc[df["run"].isin(runs)], stack="encoder", include_embed=True, hue="run",
-                          hue_order=runs, ax=axes[1, 2], title=f"post_ln encoder profiles by depth · preset {preset}")
+                          hue_order=runs, colors=depth_colors, ax=axes[1, 2],
+                          title=f"post_ln encoder profiles by depth · preset {preset}")
         return self.annotate(fig, "Gradient norms of layer outputs at the start of training (step 0, one batch, "
                                   "before any update)", ["dropout active (training mode), seeded; xavier init"], verdicts)
 

@@ -44,6 +44,7 @@ class LrSensitivity(Analysis):
 
     name = "lr_sensitivity"
     quantities = ("attn_logit_max", "output_logit_log_z")
+    task_name = TASK
     recordings = RECORDINGS
 
     @property
@@ -86,15 +87,15 @@ class LrSensitivity(Analysis):
         setting = f"pre_ln decoder {self.depth}L · preset {self.preset.name}"
         plots.lr_sensitivity(self.summary(df), order=list(SETTINGS), ax=axes[0], title=f"Wortsman 2023 Fig. 1, {setting}")
         top = sorted(LRS[self.preset.name])[-2:]
-        runs = [r for r, (_, _, z, lr) in self.runs().items() if lr in top and (z == 0 or "qk_norm" not in r)]
-        plots.signal_over_training(df, quantity="attn_logit_max", runs=runs, logy=True, ax=axes[1],
-                                   title=f"two highest rates, {setting}")
-        plots.signal_over_training(df, quantity="output_logit_log_z", runs=runs, ax=axes[2],
-                                   title=f"two highest rates, {setting}")
+        runs = {r: (s, lr) for r, (s, _, _, lr) in self.runs().items() if lr in top}
+        colors = [f"C{list(SETTINGS).index(s)}" for s, _ in runs.values()]  # (a setting's colour in every panel)
+        styles = [":" if lr == top[0] else "-" for _, lr in runs.values()]
+        for ax, quantity, logy in ((axes[1], "attn_logit_max", True), (axes[2], "output_logit_log_z", False)):
+            plots.signal_over_training(df, quantity=quantity, runs=list(runs), logy=logy, ax=ax, colors=colors,
+                                       styles=styles, title=f"{setting}: lr {top[0]:g} dotted, {top[1]:g} solid")
         train = self.plan()[0].train
         return self.annotate(fig, "Learning-rate sensitivity: qk_norm and z-loss (Wortsman et al. 2023)",
-                             [f"task here: {TASK} (vocab {self.preset.size.vocab}, max_len {self.preset.size.max_len}), "
-                              "not the other analyses' reverse task",
+                             [f"the task is {TASK}, not the other analyses' reverse task",
                               train.describe().replace(f"peak lr {train.lr:g}", f"peak lr swept over {list(LRS[self.preset.name])}"),
                               f"settings {list(SETTINGS)}, z-loss {Z_LOSS:g}; same recipe for every run"], verdicts)
 

@@ -80,6 +80,10 @@ class ResidualShrink(Analysis):
             for col, (step, when) in enumerate((("first", "at init"), ("last", "after training"))):
                 plots.w_over_sigma(df, stack=stack, step=step, hue_order=order, ax=axes[row, col],
                                    title=f"Xu Table 2: {stack} w/σ {when}, {setting}")
+        shared = [axes[r, c] for r in range(2) for c in range(2)]  # (one w/σ scale: at init and trained compare)
+        low, high = min(a.get_ylim()[0] for a in shared), max(a.get_ylim()[1] for a in shared)
+        for ax in shared:
+            ax.set_ylim(low, high)
         plots.w_over_sigma_curves(df, hue_order=order, ax=axes[0, 2], title=f"w/σ during training, {setting}")
         plots.loss_curves(df, quantity="val_loss", hue="run", hue_order=order, ax=axes[1, 2],
                           title=f"validation loss, {setting}")

@@ -54,6 +54,8 @@ class Analysis:
     #: whether the analysis has an at-init part that stands alone (``--init-only`` allowed)
     at_init: ClassVar[bool] = False
     quantities: ClassVar[tuple[str, ...]] = ()
+    #: the task its runs train on, for the footer (an analysis that overrides :meth:`task` names its own)
+    task_name: ClassVar[str] = presets.TASK
     recordings: ClassVar[int] = 0
 
     def __init__(self, preset: str | presets.Preset, *, seed: int = 0, device: str = "auto",
@@ -143,7 +145,7 @@ class Analysis:
 
     def annotate(self, fig: Figure, title: str, lines: Sequence[str], verdicts: Sequence[Verdict]) -> Figure:
         """:func:`analyses.outputs.annotate` with the preset's line first."""
-        describe = self.preset.describe()
+        describe = self.preset.describe(self.task_name)
         if self.batch_reduced:
             describe += f" (reduced from the preset's {self.preset_batch_size} with --batch-size)"
         notes = ["at-init part only (--init-only): no training"] if self.init_only else []

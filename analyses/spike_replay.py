@@ -56,6 +56,7 @@ class SpikeReplay(Analysis):
     """Two runs (``RUNS``) of one Pre-LN decoder with a spike planted at ``PLANTED``."""
 
     name = "spike_replay"
+    task_name = TASK
 
     @property
     def depth(self) -> int:
@@ -143,12 +144,11 @@ class SpikeReplay(Analysis):
         near = [s for s in self.neighbours() if s != self.planted and s in set(watched.step)]
         plots.replay_profile(watched, step=self.planted, neighbours=near, ax=axes[1],
                              title=f"per-layer gradient, replayed vs recorded steps ({setting})")
-        plots.replay_profile(watched, step=self.planted, neighbours=near, ratio=True, ax=axes[2],
+        plots.replay_profile(watched, step=self.planted, neighbours=near, ratio=True, factor=FACTOR, ax=axes[2],
                              title=f"where the gradient jumped ({setting})")
         train = self.plan()[0].train
         return self.annotate(fig, "Spike replay: the watch flags a planted spike and the replay records that step",
-                             [f"task {TASK} (vocab {self.preset.size.vocab}, max_len {self.preset.size.max_len}); "
-                              f"{train.describe()}; clip {CLIP:g} with the watch's norm",
+                             [f"{train.describe()}; clip {CLIP:g} with the watch's norm",
                               f"loss x{FACTOR:g} before backward at step {self.planted}; watched run: every="
                               f"{EVERY[self.preset.name]}, on_spike='replay' (window 128, 16-step history, 6 sigma); "
                               "reference run: every step recorded; quantities 'all' but spike (its window holds the earlier "

@@ -63,6 +63,9 @@ class WarmupFree(Analysis):
         for ax, stack in zip(axes[1], ("encoder", "decoder")):
             plots.scalenorm_g(df, stack=stack, init_g=math.sqrt(self.preset.size.d_model), ax=ax,
                               title=f"ScaleNorm g by {stack} layer after training, {setting}")
+        low, high = min(a.get_ylim()[0] for a in axes[1]), max(a.get_ylim()[1] for a in axes[1])
+        for ax in axes[1]:  # (one scale for both stacks, which a stretched axis of each made look alike)
+            ax.set_ylim(low, high)
         recipe = self.plan()[0].train.describe().replace("constant schedule", "constant lr")
         return self.annotate(fig, "Warm-up-free training at a large learning rate; learned ScaleNorm g",
                              [recipe, "same hyper-parameters for every variant; xavier init"], verdicts)

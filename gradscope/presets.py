@@ -92,11 +92,11 @@ class Preset:
         """The built-in ``reverse`` seq2seq task at this preset's size."""
         return make_task(TASK, vocab=self.size.vocab, max_len=self.size.max_len, seed=seed)
 
-    def describe(self) -> str:
-        """One line for figure footers."""
+    def describe(self, task: str = TASK) -> str:
+        """One line for figure footers (``task``: the task the runs train on, default the preset's)."""
         m = self.size
         return (f"preset {self.name}: d={m.d_model}, {m.n_heads} heads, d_ff={m.d_ff}, "
-                f"dropout {m.dropout:g}; task {TASK} (vocab {m.vocab}, max_len {m.max_len}), "
+                f"dropout {m.dropout:g}; task {task} (vocab {m.vocab}, max_len {m.max_len}), "
                 f"batch {self.batch_size}")
 
 

@@ -301,7 +301,7 @@ def test_depth_sweep_marks_failed_runs(ax):
     plots.depth_sweep(summary, ax=ax, title="ci")
     pd.testing.assert_frame_equal(summary, before)
     labels = [line.get_label() for line in ax.lines[:3]]
-    assert labels == ["post_ln + lipschitz", "post_ln + xavier", "pre_ln + xavier"]
+    assert labels == ["post_ln+lipschitz", "post_ln+xavier", "pre_ln+xavier"]
     np.testing.assert_array_equal(ax.lines[1].get_xdata(), [6, 12, 18])
     np.testing.assert_allclose(ax.lines[1].get_ydata(), [4.0, 3.9, np.nan])
     np.testing.assert_allclose(ax.lines[2].get_ydata(), [4.1, 3.8, np.nan])
@@ -312,6 +312,20 @@ def test_depth_sweep_marks_failed_runs(ax):
     assert "nats" in ax.get_ylabel()
     with pytest.raises(ValueError, match="converged"):
         plots.depth_sweep(summary.drop(columns="converged"), ax=ax)
+
+
+def test_depth_sweep_draws_a_failed_run_at_its_loss_in_the_colour_the_order_gives(ax):
+    summary = pd.concat([sweep(), pd.DataFrame([dict(run="r9", variant="pre_ln", init="xavier", depth=12,
+                                                     best_val_loss=3.95, converged=False)])], ignore_index=True)
+    order = ["pre_ln+xavier", "post_ln+xavier", "post_ln+lipschitz"]
+    plots.depth_sweep(summary, order=order, ax=ax)
+    assert [line.get_label() for line in ax.lines[:3]] == order
+    assert [line.get_color() for line in ax.lines[:3]] == ["C0", "C1", "C2"]
+    (hollow,) = ax.collections
+    np.testing.assert_allclose(hollow.get_offsets(), [[12, 3.95]])
+    np.testing.assert_allclose(hollow.get_edgecolors()[0], matplotlib.colors.to_rgba("C0"))
+    with pytest.raises(ValueError, match="leaves out"):
+        plots.depth_sweep(summary, order=order[:2], ax=ax)
 
 
 def norm_table(quantity: str) -> pd.DataFrame:

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 from matplotlib.axes import Axes
+from matplotlib.lines import Line2D
 
 from gradscope.plots import _style
 from gradscope.table import SWEEP_COLUMNS
@@ -78,55 +79,82 @@ def loss_curves(
 def depth_sweep(
     summary: pd.DataFrame,
     *,
+    order: Sequence[str] | None = None,
     logy: bool = False,
     ax: Axes | None = None,
     title: str | None = None,
 ) -> Axes:
     """Best validation loss against depth, one line per (variant, init) (Takase 2022 Fig. 8).
 
-    A depth where any run of a (variant, init) failed gets an x on the top edge in that
-    line's colour (legend entry "failed"); the line's y there is the mean over the runs
-    that converged, NaN (a gap) when none did. Undecided runs (``converged`` NA) are
-    neither drawn nor marked.
+    The line goes through the mean over the runs that converged (filled markers; NaN, a
+    gap, where none did). A failed run is drawn too, never dropped: a hollow marker in the
+    line's colour at its best validation loss, or, when that is not finite, an x on the
+    top edge (legend entry "failed"), shifted sideways when several configurations failed
+    so at one depth. Undecided runs (``converged`` NA) are neither drawn nor marked.
 
     Args:
         summary: sweep summary with ``gradscope.table.SWEEP_COLUMNS`` (one row per run, see
             :func:`gradscope.claims.sweep_summary`); not modified.
+        order: the configurations as ``"variant+init"``, in the order of the colours C0, C1,
+            ... (the run-name prefix of a figure's other panels, so one colour means one
+            configuration everywhere); default sorted.
         logy: log-scaled y axis.
         ax: Axes to draw on.
         title: first title line (preset).
 
     Returns:
-        The Axes; ``ax.lines[k]`` is the k-th (variant, init) in sorted order, labelled
-        ``"variant + init"``; failed markers come after.
+        The Axes; ``ax.lines[k]`` is the k-th configuration, labelled ``"variant+init"``;
+        top-edge markers come after.
 
     Raises:
-        ValueError: a sweep column is missing.
+        ValueError: a sweep column is missing, or ``order`` leaves out a configuration.
     """
     missing = [c for c in SWEEP_COLUMNS if c not in summary.columns]
     if missing:
         raise ValueError(f"sweep summary lacks columns {missing}")
+    groups = {f"{variant}+{init}": group for (variant, init), group in summary.groupby(["variant", "init"], sort=True)}
+    if order is None:
+        order = list(groups)
+    left = sorted(set(groups) - set(order))
+    if left:
+        raise ValueError(f"depth_sweep: order leaves out {left}; it has {list(order)}")
     ax = _style.get_ax(ax)
-    marks = []
-    for (variant, init), group in summary.groupby(["variant", "init"], sort=True):
+    marks, hollow = [], False
+    for k, label in enumerate(c for c in order if c in groups):
+        group = groups[label]
         ok = group["converged"].eq(True).fillna(False).astype(bool)
         failed_rows = group["converged"].eq(False).fillna(False).astype(bool)
-        per_depth = group.assign(best=group["best_val_loss"].where(ok)).groupby("depth", sort=True)
-        y = per_depth["best"].mean()
+        y = group.assign(best=group["best_val_loss"].where(ok)).groupby("depth", sort=True)["best"].mean()
         (line,) = ax.plot(y.index.to_numpy(dtype=float), y.to_numpy(dtype=float), marker="o",
-                          label=f"{variant} + {init}")
-        failed = sorted({int(d) for d in group.loc[failed_rows, "depth"]})
-        if failed:
-            marks.append((failed, line.get_color()))
-    for depths, color in marks:
-        _style.mark_top_edge(ax, depths, color)
+                          color=f"C{order.index(label) % 10}", label=label)
+        failed = group.loc[failed_rows]
+        finite = failed["best_val_loss"].map(lambda v: v == v and abs(v) != float("inf")).astype(bool)
+        if finite.any():
+            hollow = True
+            ax.scatter(failed.loc[finite, "depth"].to_numpy(dtype=float),
+                       failed.loc[finite, "best_val_loss"].to_numpy(dtype=float), s=90, facecolors="none",
+                       edgecolors=line.get_color(), linewidths=2, zorder=3)
+        depths = sorted({int(d) for d in failed.loc[~finite, "depth"]})
+        if depths:
+            marks.append((depths, line.get_color()))
+    width = max((b - a for a, b in zip(sorted(summary["depth"].unique()), sorted(summary["depth"].unique())[1:])),
+                default=1)
+    taken: dict[int, int] = {}
+    for depths, color in marks:  # (several configurations failing at one depth: side by side, not on top)
+        shifted = []
+        for d in depths:
+            shifted.append(d + 0.06 * width * taken.get(d, 0))
+            taken[d] = taken.get(d, 0) + 1
+        _style.mark_top_edge(ax, shifted, color)
     ax.set_xlabel("layers per stack")
     _style.integer_x(ax)
     ax.set_ylabel(f"best validation loss ({_style.loss_unit(summary)})")
     if logy:
         ax.set_yscale("log")
-    _style.legend(ax, extra=[_style.failed_legend_handle()] if marks else [])
-    return _style.finish(ax, title, ["converged runs only; x = failed"])
+    extra = [Line2D([], [], linestyle="none", marker="o", markerfacecolor="none", markeredgecolor="black",
+                    markersize=9, markeredgewidth=2, label="failed run, at its best validation loss")] if hollow else []
+    _style.legend(ax, extra=extra + ([_style.failed_legend_handle()] if marks else []))
+    return _style.finish(ax, title, ["filled: mean of the converged runs; hollow: a failed run; x: non-finite"])
 
 
 def w_over_sigma_curves(

@@ -44,7 +44,8 @@ def lr_sensitivity(summary: pd.DataFrame, *, order: Sequence[str] | None = None,
 
 
 def signal_over_training(df: pd.DataFrame, *, quantity: str, runs: Sequence[str], labels: Sequence[str] | None = None,
-                         logy: bool = False, ax: Axes | None = None, title: str | None = None) -> Axes:
+                         logy: bool = False, ax: Axes | None = None, title: str | None = None,
+                         colors: Sequence[str] | None = None, styles: Sequence[str] | None = None) -> Axes:
     """A per-layer signal over training steps, as the max over layers (``attn_logit_max``)
     or the model's value (``output_logit_log_z``), one line per run.
 
@@ -56,15 +57,19 @@ def signal_over_training(df: pd.DataFrame, *, quantity: str, runs: Sequence[str]
         logy: log-scaled y axis.
         ax: Axes to draw on.
         title: first title line.
+        colors: a colour per run (default: the colour cycle), so that one setting keeps its
+            colour across a figure's panels.
+        styles: a line style per run (default: solid).
 
     Returns:
         The Axes.
     """
     ax = ax or plt.gca()
     rows = df[(df.quantity == quantity) & df.layer_j.isna() & (df.micro_step == -1)]
-    for run, label in zip(runs, labels or runs):
+    for k, (run, label) in enumerate(zip(runs, labels or runs)):
         series = rows[rows.run == run].groupby("step").value.max().sort_index()
-        ax.plot(series.index, series.to_numpy(), marker=".", label=label)
+        ax.plot(series.index, series.to_numpy(), marker=".", label=label,
+                color=colors[k] if colors else None, linestyle=styles[k] if styles else "-")
     if logy:
         ax.set_yscale("log")
     ax.set_xlabel("optimizer step")

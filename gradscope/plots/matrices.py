@@ -113,7 +113,8 @@ def dlcl_heatmap(
         site: the mixer's site, needed only when the stack has several.
         abs_threshold: absolute masking threshold.
         rel_threshold: masking threshold relative to the row's largest |w|.
-        vlim: colour scale is fixed to [-vlim, vlim] so panels compare.
+        vlim: colour scale is fixed to [-vlim, vlim] so panels compare (give the largest
+            |w| of the panels drawn side by side).
         cmap: diverging colormap name.
         ax: Axes to draw on.
         title: first title line.
@@ -124,12 +125,15 @@ def dlcl_heatmap(
     mat, name, resolved = _one_matrix(df, "dlcl_weight", run, variant, stack, step, site)
     mask = S.dlcl_mask(mat, abs_threshold, rel_threshold)
     ax = _style.get_ax(ax)
+    ax.set_facecolor("0.8")  # (masked cells show the Axes: grey, unlike W = 0, which the colormap draws white)
     sns.heatmap(mat, mask=mask, vmin=-vlim, vmax=vlim, cmap=cmap, ax=ax, square=True,
                 xticklabels=_labels(mat.shape[1]), yticklabels=list(range(mat.shape[0])),
                 cbar_kws={"label": "W[r, k]"})
+    ax.tick_params(axis="y", labelrotation=0)
     ax.set_xlabel("source output k ($y_0$ = embedding)")
     ax.set_ylabel("row r (input of layer r+1; r = L: stack output)")
-    rule = f"masked: |w| < {abs_threshold:g} or |w| < {rel_threshold:.0%} of row max |w|"
+    rule = (f"grey: masked (|w| < {abs_threshold:g} or |w| < {rel_threshold:.0%} of row max |w|) "
+            "or not recorded (above the diagonal)")
     return _style.finish(ax, title, [f"{name} · {stack}", f"step {resolved}"], rule=rule)
 
 

@@ -26,14 +26,15 @@ def _points(df: pd.DataFrame, step: StepSpec, what: str) -> tuple[pd.DataFrame, 
 
 
 def _draw_profiles(
-    ax: Axes, points: pd.DataFrame, hue: str, hue_order: Sequence[str] | None
+    ax: Axes, points: pd.DataFrame, hue: str, hue_order: Sequence[str] | None, colors: Sequence | None = None
 ) -> None:
-    """One line per hue level: x = layer, y = mean over that layer's sites."""
+    """One line per hue level: x = layer, y = mean over that layer's sites (``colors``: one
+    per level, default the colour cycle)."""
     S.check_one_run_per_hue(points, hue)
-    for level in S.hue_values(points, hue, hue_order):
+    for k, level in enumerate(S.hue_values(points, hue, hue_order)):
         series = S.layer_series(points.loc[points[hue] == level])
         ax.plot(series.index.to_numpy(dtype=float), series.to_numpy(), marker="o",
-                markersize=3, label=level)
+                markersize=3, label=level, color=colors[k] if colors is not None else None)
 
 
 def layer_norms(
@@ -49,6 +50,7 @@ def layer_norms(
     logy: bool = True,
     ax: Axes | None = None,
     title: str | None = None,
+    colors: Sequence | None = None,
 ) -> Axes:
     """Value at the ``role`` sites of each layer of ``stack`` against layer (Takase 2022 Fig. 3).
 
@@ -71,6 +73,7 @@ def layer_norms(
         logy: log-scaled y axis.
         ax: Axes to draw on; default the current one.
         title: first title line (preset, model size); the step follows automatically.
+        colors: a colour per line in ``hue_order`` (default: the colour cycle).
 
     Returns:
         The Axes.
@@ -82,7 +85,7 @@ def layer_norms(
     data = S.rows(df, quantity=quantity, stack=stack, role=roles)
     points, steps = _points(data, step, f"{quantity} at {stack} sites of role {' or '.join(roles)}")
     ax = _style.get_ax(ax)
-    _draw_profiles(ax, points, hue, hue_order)
+    _draw_profiles(ax, points, hue, hue_order, colors)
     ax.set_xlabel("layer (0 = embedding output)" if include_embed else "layer")
     _style.integer_x(ax)
     ax.set_ylabel(_style.quantity_label(quantity, S.reduction_text(points), _style.loss_unit(df)))
@@ -253,19 +256,24 @@ def embed_grad_vs_depth(
         title: first title line.
 
     Returns:
-        The Axes (log y).
+        The Axes (linear y from 0: the values of a sweep differ by tens of %, which a log axis
+        over their range would draw as a collapse).
     """
     ax = _style.get_ax(ax)
     data = S.rows(df, quantity="act_grad_norm", stack="encoder", role="embed")
     data, steps = _points(data.loc[data["run"].isin(runs)], "first", "act_grad_norm at encoder.embed.out")
     depth = {r: S.layer_depth(S.rows(df, run=r), "encoder") for r in runs}
     data = data.assign(depth=data["run"].map(depth)).sort_values("depth")
-    ax.plot(data["depth"].to_numpy(float), data["value"].to_numpy(float), marker="o", label="post_ln")
-    ax.set_yscale("log")
+    variants = sorted(data["variant"].astype(str).unique())
+    values = data["value"].to_numpy(float)
+    ax.plot(data["depth"].to_numpy(float), values, marker="o", label=" / ".join(variants))
+    ax.set_ylim(bottom=0)
     ax.set_xlabel("encoder layers N")
-    ax.set_ylabel("‖∂L/∂h‖₂ at encoder.embed.out (loss: mean over tokens, nats)")
+    ax.set_ylabel(_style.quantity_label("act_grad_norm", S.reduction_text(data), _style.loss_unit(df))
+                  + " at encoder.embed.out")
     ax.legend(fontsize="small")
-    return _style.finish(ax, title, ["encoder.embed.out", _style.step_note(steps)])
+    ratio = f"deepest / shallowest = {values[-1] / values[0]:.3g}" if len(values) > 1 and values[0] else ""
+    return _style.finish(ax, title, ["encoder.embed.out", _style.step_note(steps), ratio])
 
 
 GAIN_SUBLAYERS: tuple[tuple[str, str], ...] = (
