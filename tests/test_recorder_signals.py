@@ -35,6 +35,15 @@ def _stats(logits: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, t
     return masked.amax(dim=(0, 2, 3)), entropy.mean(dim=(0, 2))
 
 
+def _stats_of_queries(logits: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_stats`, the entropy a mean over the queries with an allowed key only."""
+    masked = logits.double().masked_fill(~allowed, -math.inf)
+    p = masked.softmax(-1).nan_to_num(0.0)
+    entropy = -(p * p.clamp_min(1e-300).log()).sum(-1)
+    valid = allowed.any(-1)
+    return masked.amax(dim=(0, 2, 3)), (entropy * valid).sum(dim=(0, 2)) / valid.sum(dim=(0, 2))
+
+
 def _zoo_reference(model, inputs):
     """Every zoo attention's (q, k, mask), from hooks on a plain forward of ``model``."""
     seen = {}
@@ -79,7 +88,10 @@ def test_zoo_attention_logits_and_entropy_equal_a_recomputation_from_q_and_k(T, 
         mask = e["mask"]
         allowed = torch.ones_like(logits, dtype=torch.bool) if mask is None else \
             (mask[..., idx, :] if mask.shape[-2] == Tq else mask).expand(logits.shape)
-        top, entropy = _stats(logits, allowed)
+        if k.shape[2] == Tq:  # self-attention: a padded position (its own key masked) is no query
+            allowed = allowed & allowed[:, :, torch.arange(n), idx].unsqueeze(-1)
+            allowed = allowed.expand(logits.shape)
+        top, entropy = _stats_of_queries(logits, allowed)
         torch.testing.assert_close(_head_values(frame, "attn_logit_max", name), top, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(_head_values(frame, "attn_entropy", name), entropy, rtol=1e-5, atol=1e-6)
         layer = _rows(frame, "attn_logit_max")

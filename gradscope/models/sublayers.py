@@ -41,6 +41,8 @@ class MultiheadAttention(nn.Module):
         eps: epsilon of those LayerNorms.
     """
 
+    is_causal = False  # (a causal mask comes with the call, as HF's modules say; the recorder's signals read it)
+
     def __init__(self, d_model: int, n_heads: int, qk_norm: bool = False, eps: float = 1e-5) -> None:
         super().__init__()
         self.n_heads = n_heads

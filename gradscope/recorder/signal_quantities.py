@@ -16,6 +16,7 @@ import torch
 
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import Quantity
+from gradscope.recorder.signals import BIDIRECTIONAL
 from gradscope.table.keys import Key, model_key
 
 
@@ -51,6 +52,17 @@ class AttnLogitMax(_Signal):
             ctx.warn_once("attention", f"{self.name}: no attention module recognised in {type(ctx.model).__name__} "
                           "(q_proj/k_proj with a head count, or GPT-2's c_attn; see gradscope.recorder.signals): "
                           "no attention rows")
+        if signals.attention and signals.unrecognised:
+            ctx.warn_once("attention_unrecognised", f"{self.name}: {signals.unrecognised[:4]} look like attention but "
+                          "their q and k cannot be read (GPT-2's cross-attention, or q_proj/k_proj without a head count "
+                          "named n_heads, num_heads or num_attention_heads): no rows for them")
+        for i, reason in sorted(signals.unread.items()):
+            a = signals.attention[i]
+            unread = reason is not BIDIRECTIONAL
+            ctx.warn_once(f"attention {a.name} {reason}", f"{self.name}: attention {a.name!r}: {reason}" + (
+                "; its calls so read have no rows" if unread else
+                ". If it is causal, set is_causal = True on the module (False says it is bidirectional and silences "
+                "this)") + ". Not reported again.")
         for a, values in zip(signals.attention, signals.attention_values()):
             heads = values[self.which]
             _per_head(ctx, a.name, self.name, heads, heads.amax() if self.which == 0 else heads.mean())

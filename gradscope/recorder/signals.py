@@ -30,6 +30,10 @@ fused ``query_key_value`` projections (GPT-NeoX, Falcon), partial rotary, x-tran
 (rotary applied inside ``Attend``), ``nn.MultiheadAttention`` (q and k never leave its C++
 kernel), cross-attention in GPT-2 and T5's relative-bias attention.
 
+Masks are read by :func:`allowed_keys` (kinds and shapes there); a module's ``is_causal``
+adds the causal triangle; in self-attention a query whose own key is masked (a padded
+position) is not counted.
+
 Sampling: the logits of every batch row, head and allowed key are taken for at most
 ``QUERIES`` queries per sequence, evenly spaced (all of them when T ≤ ``QUERIES``), so the
 cost is O(B·H·min(T, QUERIES)·S·d_head) on recorded steps rather than O(B·H·T²·d_head).
@@ -64,13 +68,14 @@ class Attention:
     kv_heads: int
     head_dim: int
     scale: float
-    causal: bool  # attends causally when called without a mask
+    causal: bool  # attends causally (``is_causal``; GPT-2's c_attn): a mask passed is combined with the triangle
+    causal_known: bool  # the module says whether it is causal (an ``is_causal`` attribute, or GPT-2's fused c_attn)
     fused: bool  # GPT-2: q, k (and v) come out of one projection
     params: tuple[str, ...]  # names of its forward's parameters, to find the mask by name or position
 
 
 def _heads(m: nn.Module) -> int | None:
-    for attr in ("n_heads", "num_heads", "num_attention_heads"):
+    for attr in ("n_heads", "num_heads", "num_attention_heads", "n_head"):
         if isinstance(getattr(m, attr, None), int):
             return getattr(m, attr)
     return getattr(getattr(m, "config", None), "num_attention_heads", None)
@@ -105,15 +110,29 @@ def find_attention(model: nn.Module) -> list[Attention]:
             found.append(Attention(
                 name, m, qn if isinstance(qn, nn.Module) else q, kn if isinstance(kn, nn.Module) else k, heads, kv,
                 dim, float(scale) if isinstance(scale, (int, float)) else dim ** -0.5,
-                bool(getattr(m, "is_causal", False)), False, params))
+                bool(getattr(m, "is_causal", False)), isinstance(getattr(m, "is_causal", None), bool), False, params))
         elif (width := _fused_width(m)) and not getattr(m, "is_cross_attention", False):
             heads = getattr(m, "num_heads", None) or m.n_head
             dim = width // heads
             scale = dim ** -0.5 if getattr(m, "scale_attn_weights", True) else 1.0
             if getattr(m, "scale_attn_by_inverse_layer_idx", False):
                 scale /= float(getattr(m, "layer_idx", 0) + 1)
-            found.append(Attention(name, m, m.c_attn, m.c_attn, heads, heads, dim, scale, True, True, params))
+            found.append(Attention(name, m, m.c_attn, m.c_attn, heads, heads, dim, scale, True, True, True, params))
     return found
+
+
+def unread_attention(model: nn.Module) -> list[str]:
+    """Modules that look like attention but whose q and k :func:`find_attention` cannot
+    read: GPT-2's cross-attention (q from ``q_attn``, k from the encoder's states), and
+    ``q_proj``/``k_proj`` projections without a head count it knows (``n_head``...)."""
+    out = []
+    for name, m in model.named_modules():
+        q, k = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
+        if isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and not _heads(m):
+            out.append(name)
+        elif _fused_width(m) and getattr(m, "is_cross_attention", False):
+            out.append(name)
+    return out
 
 
 def find_sublayers(model: nn.Module, layout: Layout) -> list[tuple[str, nn.Module]]:
@@ -137,11 +156,55 @@ def find_sublayers(model: nn.Module, layout: Layout) -> list[tuple[str, nn.Modul
 
 
 def vocab_sizes(model: nn.Module) -> set[int]:
-    """Widths an output must have to be taken for logits: the model's embedding tables and
-    ``config.vocab_size``."""
-    sizes = {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+    """Widths an output must have to be taken for logits: ``config.vocab_size`` when the
+    model has one (a HuggingFace classifier's 2 labels are no vocabulary, though its
+    token-type table has 2 rows), else the sizes of its embedding tables."""
     vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    return sizes | ({vocab} if isinstance(vocab, int) else set())
+    if isinstance(vocab, int):
+        return {vocab}
+    return {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
+
+
+BIDIRECTIONAL = ("it was called without a mask over queries (none, or one of padded keys only) and has no "
+                 "is_causal attribute: every key it was not told to skip was counted, as for bidirectional attention")
+
+
+def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.Tensor, causal: bool
+                 ) -> torch.Tensor | str:
+    """Which keys each sampled query (``idx``, of ``T``) may attend to, broadcastable to
+    (B, H, n, S), from the mask the attention was called with, combined with the causal
+    triangle when the module attends causally; or why the mask cannot be read.
+
+    A bool mask is True where a query attends, a float mask additive (above half the
+    dtype's lowest value: attends), an integer mask 1 where it attends (HF's 2-D
+    ``attention_mask``). Shapes: (B, S) a key-padding mask, (T, S) one for every sequence,
+    (B, T, S), or 4-D (B or 1, H or 1, T or 1, S).
+    """
+    device = idx.device
+    triangle = torch.arange(S, device=device) <= (idx + (S - T)).unsqueeze(-1)  # (n, S)
+    if mask is None:
+        return triangle if causal else torch.ones(idx.numel(), S, dtype=torch.bool, device=device)
+    shape = tuple(mask.shape)
+    if mask.dim() == 2:
+        if shape[-1] != S or (shape[0] == B) == (shape[0] == T):
+            return ("its 2-D mask is neither a key-padding mask (batch, keys) nor a (queries, keys) mask, or could be "
+                    "either (as many sequences as queries)")
+        m = mask[:, None, None, :] if shape[0] == B else mask[None, None]
+    elif mask.dim() == 3 and shape[0] in (1, B) and shape[1] in (1, T) and shape[2] == S:
+        m = mask[:, None]
+    elif mask.dim() == 4 and shape[0] in (1, B) and shape[2] in (1, T) and shape[3] == S:
+        m = mask
+    else:
+        return "its mask's shape fits none of (B, S), (T, S), (B, T, S) or (B, H, T, S)"
+    if m.shape[-2] == T and T > 1:
+        m = m[..., idx, :]
+    if m.dtype == torch.bool:
+        ok = m
+    elif m.is_floating_point():
+        ok = m > torch.finfo(m.dtype).min / 2
+    else:
+        ok = m != 0
+    return ok & triangle if causal else ok
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -161,6 +224,7 @@ class Signals:
     def __init__(self, model: nn.Module, layout: Layout, is_on) -> None:
         self.model, self.is_on = model, is_on
         self.attention = find_attention(model)
+        self.unrecognised = unread_attention(model)  # attention-like modules whose q and k cannot be read
         self.sublayers = find_sublayers(model, layout)
         self.vocab = vocab_sizes(model)
         self.want_attention = self.want_rms = self.want_logits = False
@@ -168,6 +232,9 @@ class Signals:
         self.rms: torch.Tensor | None = None  # (n_sublayers, 2): Σ h², numel
         self.logz: torch.Tensor | None = None  # (3,): Σ log Z, tokens, max log Z
         self._calls: dict[int, dict] = {}  # attention index -> {"mask", "rope", "q", "k"} of the call in progress
+        # attention index -> why a call of the step was not read (a mask or rotary layout not understood),
+        # or that it was read as bidirectional for want of a mask and of an ``is_causal`` attribute
+        self.unread: dict[int, str] = {}
         self.device: torch.device | None = None
         self.outputs = self.outputs_with_logits = 0  # model outputs seen in the step, and those holding logits
 
@@ -207,6 +274,7 @@ class Signals:
         self.logz.zero_()
         self.logz[2] = -math.inf
         self._calls = {}
+        self.unread = {}
         self.outputs = self.outputs_with_logits = 0
 
     def end(self) -> None:
@@ -252,12 +320,12 @@ class Signals:
                 q, k = call["q"], call["k"]
             else:
                 return None
-            self._attention_stats(a, self.attn[i], q, k, call["mask"], call["rope"])
+            self._attention_stats(i, a, self.attn[i], q, k, call["mask"], call["rope"])
             return None
 
         return hook
 
-    def _attention_stats(self, a: Attention, buf: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
+    def _attention_stats(self, i: int, a: Attention, buf: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
                          mask: torch.Tensor | None, rope) -> None:
         B, T = q.shape[0], q.shape[1]
         S = k.shape[1]
@@ -270,21 +338,23 @@ class Signals:
         if rope is not None:
             cos, sin = rope
             if cos.shape[-1] != a.head_dim or cos.shape[-2] != S:
-                return  # partial rotary or another layout: not recognised
+                self.unread[i] = "its rotary embeddings cover part of the head only (partial rotary)"
+                return
             cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # (B, 1, T, dh)
             q = q * cos[:, :, idx] + _rotate_half(q) * sin[:, :, idx]
             k = k * cos + _rotate_half(k) * sin
         if a.kv_heads != a.heads:
             k = k.repeat_interleave(a.heads // a.kv_heads, dim=1)
         logits = (q @ k.transpose(-1, -2)) * a.scale  # (B, H, n, S)
-        if mask is None:
-            if a.causal:
-                allowed = torch.arange(S, device=q.device) <= (idx + (S - T)).unsqueeze(-1)  # (n, S)
-            else:
-                allowed = torch.ones(n, S, dtype=torch.bool, device=q.device)
-        else:
-            m = mask[..., idx, :] if mask.shape[-2] == T else mask
-            allowed = m if m.dtype == torch.bool else m > torch.finfo(m.dtype).min / 2
+        allowed = allowed_keys(mask, B, T, S, idx, a.causal)
+        if isinstance(allowed, str):
+            self.unread[i] = allowed
+            return
+        if not a.causal_known and (mask is None or mask.dim() == 2 and mask.shape[0] == B or mask.shape[-2] == 1):
+            self.unread.setdefault(i, BIDIRECTIONAL)  # (no mask, or one of keys only, and causality not said)
+        if S == T:  # self-attention: a query whose own key is masked is a padded position, not counted
+            allowed = allowed.expand(*allowed.shape[:-2], idx.numel(), S)
+            allowed = allowed & allowed[..., torch.arange(idx.numel(), device=idx.device), idx].unsqueeze(-1)
         allowed = allowed.expand(logits.shape)
         masked = logits.masked_fill(~allowed, -math.inf)
         top = masked.amax(dim=(0, 2, 3))  # (H,)
