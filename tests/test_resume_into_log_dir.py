@@ -176,3 +176,49 @@ def test_a_step_written_twice_is_read_from_its_last_write_in_one_part_or_two(tmp
     key = ["step", "micro_step", "stack", "layer", "site", "quantity", "layer_j", "role"]
     pd.testing.assert_frame_equal(in_frame.sort_values(key).reset_index(drop=True),
                                   loaded.sort_values(key).reset_index(drop=True), check_like=True)
+
+
+@pytest.mark.parametrize("flush_every", [1, 3, 100])
+def test_a_resumed_run_replaces_the_abandoned_run_s_steps_whole(tmp_path, flush_every):
+    """A run that went wrong after its checkpoint (a ``nonfinite``-like row at step 6) is
+    resumed from step 4 into its ``log_dir`` and does not go wrong: what the abandoned run
+    wrote of steps 4-7 goes, also the quantity the resumed run never writes; a value the
+    resumed run logs for an earlier step it did not record (step 1) adds to that step; and
+    ``read`` with few columns keeps the same rows (its last-write key read, then dropped)."""
+    x = torch.randn(4, 8)
+    log_dir = tmp_path / "run"
+    model, opt = _model(), None
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradscope.Recorder(model, optimizer=opt, log_dir=log_dir, flush_every=flush_every)
+    _steps(rec, model, opt, range(4), x)
+    state = (copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()), rec.state_dict())
+    for step in range(4, 8):
+        with rec.step(step):
+            model(x).square().mean().backward()
+            if step == 6:
+                rec.log("went_wrong", 1.0)
+        opt.step()
+        opt.zero_grad()
+    rec.close()  # (the abandoned run: its parts stay in log_dir)
+
+    model = _model()
+    model.load_state_dict(state[0])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.load_state_dict(state[1])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (steps already in log_dir: warned of, checked elsewhere)
+        rec = gradscope.Recorder(model, optimizer=opt, log_dir=log_dir, flush_every=flush_every)
+        rec.load_state_dict(state[2])
+        _steps(rec, model, opt, range(4, 8), x)
+        rec.log("val_loss", 3.5, step=1)
+        in_frame = rec.frame()
+    rec.close()
+    loaded = gradscope.load(log_dir)
+    reference = _uninterrupted(x)
+    for df in (in_frame, loaded):
+        assert "went_wrong" not in set(df.quantity)
+        assert df[df.quantity == "val_loss"][["step", "value"]].values.tolist() == [[1, 3.5]]
+        pd.testing.assert_frame_equal(_sorted(df[df.quantity != "val_loss"]), reference)
+    few = gradscope.sinks.parquet.read(log_dir, columns=["step", "value"])
+    assert len(few) == len(loaded)
+    assert few.groupby("step").size().equals(loaded.groupby("step").size())

@@ -26,7 +26,7 @@ these files as they are (``duckdb.sql("select ... from 'runs/*/*.parquet'")``).
 from __future__ import annotations
 
 import atexit
-import itertools
+import json
 import os
 import secrets
 import tempfile
@@ -37,13 +37,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table import COLUMNS, DTYPES, empty_frame
 from gradscope.table.keys import Key
-from gradscope.table.parquet import SCHEMA, WRITTEN_KEY, legacy_roles, require_tag, to_arrow, unreadable, write_part
+from gradscope.sinks.last_writes import Part, last_writes
+from gradscope.table.parquet import (BEGUN_KEY, SCHEMA, SESSION_KEY, WRITTEN_KEY, legacy_roles, require_tag, to_arrow,
+                                     unreadable, write_part)
 from gradscope.table.rows import RowStore
 
 class ParquetSink(Sink):
@@ -69,6 +70,8 @@ class ParquetSink(Sink):
         self._recorded = 0  # recorded steps in the buffer
         self._on_disk: int | None = None  # the last step earlier runs wrote to log_dir for this rank
         self._closed = False
+        self._session = ""  # this sink's session (SESSION_KEY), set when it opens
+        self._begun: set[int] = set()  # steps begun since the last part was written (BEGUN_KEY)
 
     def open(self, info: RunInfo) -> None:
         super().open(info)
@@ -80,6 +83,7 @@ class ParquetSink(Sink):
                 pass
         except OSError as e:
             raise OSError(e.errno, f"log_dir: cannot write into {self.log_dir}: {e.strerror or e}") from e
+        self._session = f"{time.time_ns():020d}-{secrets.token_hex(4)}"
         self._on_disk = _last_step_on_disk(self.log_dir, info.rank)
         self._earlier = sorted(self.log_dir.glob(f"part-r{info.rank}-*.parquet"))  # a run resumed into log_dir
         atexit.register(self.flush)
@@ -93,6 +97,7 @@ class ParquetSink(Sink):
         if self._recorded >= self.flush_every:
             self.flush()
         self._recorded += 1
+        self._begun.add(step)
 
     def writes_part_at(self, waiting: int) -> bool:
         """Whether :meth:`begin` writes a part next, once ``waiting`` more step starts came."""
@@ -114,10 +119,12 @@ class ParquetSink(Sink):
             return
         steps = self._buffer.steps()
         table = to_arrow(self.pending())
-        table = table.replace_schema_metadata({**table.schema.metadata, WRITTEN_KEY: str(time.time_ns()).encode()})
+        table = table.replace_schema_metadata({**table.schema.metadata, WRITTEN_KEY: str(time.time_ns()).encode(),
+                                               SESSION_KEY: self._session.encode(),
+                                               BEGUN_KEY: json.dumps(sorted(self._begun & set(steps))).encode()})
         name = f"part-r{self.info.rank}-{min(steps):010d}-{max(steps):010d}-{secrets.token_hex(4)}.parquet"
         self.written.append(write_part(table, self.log_dir / name))
-        self._buffer, self._recorded = RowStore(), 0
+        self._buffer, self._recorded, self._begun = RowStore(), 0, set()
 
     def close(self) -> None:
         if self._closed:
@@ -138,7 +145,9 @@ class ParquetSink(Sink):
             if parts:  # the buffer is the newest write of its (run, step, quantity)s, as load reads them
                 key = ["run", "step", "quantity"]
                 newer = pd.MultiIndex.from_frame(pending[key].drop_duplicates())
-                parts[0] = parts[0][~pd.MultiIndex.from_frame(parts[0][key]).isin(newer)]
+                # (a step this session began and has not written yet is its own whole, as load reads it)
+                parts[0] = parts[0][~pd.MultiIndex.from_frame(parts[0][key]).isin(newer)
+                                    & ~parts[0]["step"].isin(list(self._begun))]
             parts.append(pending)
         return pd.concat(parts, ignore_index=True).astype(DTYPES) if parts else empty_frame()
 
@@ -148,6 +157,7 @@ class ParquetSink(Sink):
         if len(self._buffer):
             self.flush()
         self._buffer, self._recorded = rows, len(rows.steps())
+        self._begun = set(rows.steps())  # (recorded by the run this sink continues)
 
 
 def _last_step_on_disk(log_dir: Path, rank: int) -> int | None:
@@ -159,43 +169,6 @@ def _last_step_on_disk(log_dir: Path, rank: int) -> int | None:
         if len(fields) == 5 and fields[3].isdigit():
             last = max(int(fields[3]), last if last is not None else int(fields[3]))
     return last
-
-
-def _last_writes(tables: list[pa.Table], stamps: list[int], sources: list[str]) -> pd.DataFrame:
-    """The parts' rows in one frame, each (run, rank, step, quantity) from the newest part of
-    its source that holds it: a ``log_dir`` (a run resumed from a checkpoint into its own
-    folder writes again the steps it had flushed after that checkpoint) or a saved file.
-    Rows of different sources are all kept; two sources with the same run name and the same
-    steps are two runs under one name, and a warning says so. Parts that overlap no other
-    part are taken whole, without a group-by (the common case: one run, written once)."""
-    key = [c for c in ("run", "rank", "step", "quantity") if all(c in t.column_names for t in tables)]
-    if len(tables) < 2 or "step" not in key:
-        return pa.concat_tables(tables).to_pandas()
-    spans = []
-    for t in tables:
-        ids = set(itertools.product(*(pc.unique(t[c]).to_pylist() for c in key if c in ("run", "rank"))))
-        lo_hi = pc.min_max(t["step"]).as_py() if t.num_rows else {"min": None, "max": None}
-        spans.append((ids, lo_hi["min"], lo_hi["max"]))
-
-    def overlap(a, b) -> bool:
-        return a[1] is not None and b[1] is not None and bool(a[0] & b[0]) and a[1] <= b[2] and b[1] <= a[2]
-
-    pairs = [(i, j) for i in range(len(spans)) for j in range(i + 1, len(spans)) if overlap(spans[i], spans[j])]
-    clashes = sorted({(sources[i], sources[j]) for i, j in pairs if sources[i] != sources[j]})
-    if clashes:
-        names = sorted({str(r[0]) for i, j in pairs if sources[i] != sources[j] for r in spans[i][0] & spans[j][0]})
-        warnings.warn(f"gradscope: {len(clashes)} pair(s) of runs in different places share a run name and steps "
-                      f"(run {', '.join(map(repr, names[:5]))}; e.g. {clashes[0][0]} and {clashes[0][1]}): all their rows "
-                      "are kept, and only their place tells them apart in the frame. Give each Recorder its own run=, "
-                      "or load them one by one", stacklevel=3)
-    if not any(sources[i] == sources[j] for i, j in pairs):
-        return pa.concat_tables(tables).to_pandas()
-    order = np.argsort(np.argsort(stamps, kind="stable"), kind="stable")  # write order of each part
-    df = pa.concat_tables(tables).to_pandas()
-    df["_written"] = np.repeat(order, [t.num_rows for t in tables])
-    df["_source"] = np.repeat(np.unique(sources, return_inverse=True)[1], [t.num_rows for t in tables])
-    newest = df.groupby([*key, "_source"], dropna=False, sort=False)["_written"].transform("max")
-    return df[df["_written"] == newest].drop(columns=["_written", "_source"]).reset_index(drop=True)
 
 
 def part_files(path: str | os.PathLike) -> list[Path]:
@@ -258,22 +231,34 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
 
     dataset = open_dataset(path)
     columns = list(columns or COLUMNS)
-    tables, stamps, sources, legacy = [], [], [], False
+    unknown = sorted(set(columns) - set(COLUMNS))
+    if unknown:
+        raise ValueError(f"gradscope.sinks.parquet.read: unknown column(s) {unknown}; the columns are {list(COLUMNS)}")
+    reading = columns + [c for c in ("run", "rank", "step", "quantity") if c not in columns]  # (what last writes need)
+    parts, legacy = [], False
     for fragment in tqdm(dataset.get_fragments(), total=len(dataset.files), desc="reading parts", unit="file",
                          disable=not progress, leave=False):
         try:
             schema = fragment.physical_schema
-            table = fragment.to_table(schema=SCHEMA, columns=columns, filter=filter)
         except Exception as err:  # pyarrow raises several types for corrupt files
+            raise unreadable(fragment.path, err) from err
+        try:
+            table = fragment.to_table(schema=SCHEMA, columns=reading, filter=filter)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError) as err:  # (the file is fine: the filter is not)
+            raise ValueError(f"gradscope.sinks.parquet.read: the filter {filter} cannot be applied to the table's "
+                             f"columns {list(COLUMNS)}: {err}") from err
+        except Exception as err:
             raise unreadable(fragment.path, err) from err
         require_tag(schema, fragment.path)
         legacy |= "role" not in schema.names
-        tables.append(table)
-        stamp = (schema.metadata or {}).get(WRITTEN_KEY)
-        stamps.append(int(stamp) if stamp is not None else os.stat(fragment.path).st_mtime_ns)
-        sources.append(str(Path(fragment.path).parent) if stamp is not None else fragment.path)  # a log_dir, or a file
-    df = _last_writes(tables, stamps, sources)
+        meta = schema.metadata or {}
+        stamp = meta.get(WRITTEN_KEY)
+        begun = meta.get(BEGUN_KEY)
+        parts.append(Part(table, int(stamp) if stamp is not None else os.stat(fragment.path).st_mtime_ns,
+                          str(Path(fragment.path).parent) if stamp is not None else fragment.path,  # a log_dir, or a file
+                          meta.get(SESSION_KEY, b"").decode(), set(json.loads(begun)) if begun is not None else None))
+    df = last_writes(parts)[reading]
     if legacy and {"role", "quantity", "site", "stack", "layer", "variant"} <= set(columns):
         missing = df["role"].isna()
         df.loc[missing, "role"] = legacy_roles(df[missing].astype({c: DTYPES[c] for c in df.columns}))
-    return df.astype({c: DTYPES[c] for c in columns})
+    return df[columns].astype({c: DTYPES[c] for c in columns})

@@ -27,6 +27,15 @@ WRITTEN_KEY = b"gradscope.written_ns"
 """Part-file metadata: when the part was written (``time.time_ns()``); a step written twice
 (a run resumed into its own ``log_dir``) is read from the newest part that holds it."""
 
+SESSION_KEY = b"gradscope.session"
+"""Part-file metadata: the writing sink's session (its opening ``time.time_ns()``, zero-padded,
+and a random suffix): a run resumed into its ``log_dir`` is a later session."""
+
+BEGUN_KEY = b"gradscope.begun"
+"""Part-file metadata: the steps (a JSON list) whose recording began in the part's session and
+whose rows the part holds; the newest session that began a step owns it (a resumed run's
+step replaces the abandoned run's rows of that step, whatever their quantities)."""
+
 SCHEMA: pa.Schema = pa.Schema.from_pandas(empty_frame(), preserve_index=False).remove_metadata()
 """The pyarrow schema of every part file: the table's columns (docs/table.md) with the types pandas gives
 ``rec.frame()`` (strings, int64, nullable int64 for ``layer``/``layer_j``, float64)."""
