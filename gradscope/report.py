@@ -33,7 +33,8 @@ from gradscope.table import PARAM_ROLES
 from gradscope.sinks.parquet import read
 
 LOGIT_GROWTH = 10.0  # the largest attention logit growing more than this from the first recorded step: a warning
-READ_COLUMNS = ["run", "variant", "step", "micro_step", "rank", "stack", "layer", "site", "quantity", "value", "reduction", "role"]
+READ_COLUMNS = ["run", "variant", "step", "micro_step", "rank", "stack", "layer", "site", "quantity", "value", "reduction",
+                "role", "layer_j"]
 LAYER_ROLES = ["layer_out", "embed"]
 
 
@@ -53,6 +54,10 @@ def decay_lines(rows: pd.DataFrame, step: int) -> list[str]:
     for stack, group in at.groupby("stack", sort=False):
         group = group.sort_values("layer")
         top, bottom = group.value.iloc[-1], group.value.iloc[0]
+        if not (math.isfinite(top) and math.isfinite(bottom)):
+            lines.append(f"- step {step}, {stack or 'blocks'}: bottom = {bottom:.3g}, top = {top:.3g} → **non-finite** "
+                         "gradient, no ratio")
+            continue
         ratio = bottom / top if top > 0 else math.inf
         kind = ("**vanishing** toward the bottom" if ratio < DECAY_VANISHING else
                 "**exploding** (growing toward the bottom)" if ratio > DECAY_EXPLODING else "healthy (within 10× top to bottom)")
@@ -174,6 +179,10 @@ def report(path: str | Path, out: str | Path, *, progress: bool = True, max_bins
     lines = [f"# gradscope report: `{path}`", ""]
     for name, run_rows in rows.groupby("run", sort=True):
         rank = int(run_rows["rank"].min())
+        if run_rows.duplicated(["rank", "step", "quantity", "site", "micro_step", "layer_j"]).any():
+            lines += [f"**Run `{name}`: rows of several runs share this name** (folders of a sweep, or tables saved "
+                      "with the default name), so its numbers below mix them: report each folder on its own, or give "
+                      "each Recorder its own `run=`.", ""]
         note = [f"(rank {rank} of ranks {sorted(run_rows['rank'].unique().tolist())})", ""] if run_rows["rank"].nunique() > 1 else []
         lines += report_run(run_rows[run_rows["rank"] == rank], out, str(name), max_bins=max_bins) + note
     lines.append(f"_{len(rows):,} rows read in {time.perf_counter() - t0:.1f} s._")

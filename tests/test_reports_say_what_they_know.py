@@ -74,3 +74,38 @@ def test_report_of_an_unreadable_part_says_which_file_in_one_line(tmp_path):
     with pytest.raises(SystemExit, match=r"^gradscope report: .*part-r0-0000000000-0000000001-abcd.parquet"):
         main([str(bad.parent), "--out", str(tmp_path / "out"), "--no-progress"])
     assert not (tmp_path / "out").exists()
+
+
+def test_a_run_that_went_non_finite_is_said_so_and_drawn_to_its_last_step(tmp_path):
+    """The last step's layer gradients are NaN: the report says non-finite, not exploding
+    (a NaN top made the ratio inf), and the series axis reaches the last step (NaN points
+    draw nothing, which shrank it to the finite part)."""
+    from gradscope.report import decay_lines
+
+    df = _table(12)
+    late = (df.step >= 8) & (df.quantity == "act_grad_norm")
+    df.loc[late, "value"] = float("nan")
+    lines = decay_lines(df.assign(role=df.role), 11)
+    assert lines and all("non-finite" in line and "exploding" not in line for line in lines), lines
+    fig, ax = plt.subplots()
+    try:
+        layer_series(df, ax=ax, spikes=df.iloc[0:0])
+        assert ax.get_xlim()[1] >= 11
+    finally:
+        plt.close(fig)
+
+
+def test_a_report_of_two_runs_under_one_name_says_their_rows_are_mixed(tmp_path):
+    from gradscope.report import report
+
+    for folder in ("lr0.1", "lr1.0"):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.Tanh()) for _ in range(3)])
+        rec = gradscope.Recorder(model, quantities=["act_grad_norm"], log_dir=tmp_path / folder / "seed0")
+        for step in range(3):
+            with rec.step(step):
+                model(torch.randn(2, 4)).square().sum().backward()
+        rec.close()
+    with pytest.warns(UserWarning, match="share a run name"):
+        summary = report(tmp_path, tmp_path / "out", progress=False)
+    assert "rows of several runs share this name" in summary.read_text()

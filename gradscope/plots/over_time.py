@@ -173,6 +173,9 @@ def layer_series(df: pd.DataFrame, *, layers: Sequence[tuple[str, int]] | None =
     ax.set_yscale("log")
     ax.set_xlabel("step")
     ax.set_ylabel(_style.quantity_label(quantity, _reduction(df)))
+    if len(df):  # (every step of the run: non-finite values draw nothing and would shrink the axis to the finite part)
+        first, last = float(df.step.min()), float(df.step.max())
+        ax.set_xlim(first - 0.5, last + 0.5) if first == last else ax.set_xlim(first, last)
     mark_nonfinite(df, ax)
     extra = [] if not marked else [_spike_handle()]
     _style.legend(ax, extra)

@@ -92,7 +92,7 @@ class ParquetSink(Sink):
         if self._on_disk is not None and step <= self._on_disk:
             warnings.warn(f"gradscope: step {step} is already in {self.log_dir} (an earlier run of rank {self.info.rank} "
                           f"wrote steps up to {self._on_disk}): a resumed run writes it again, and gradscope.load keeps "
-                          "this newest write of each step", stacklevel=5)
+                          "this newest write of each step", stacklevel=_user_stacklevel())
             self._on_disk = None  # said once
         if self._recorded >= self.flush_every:
             self.flush()
@@ -158,6 +158,14 @@ class ParquetSink(Sink):
             self.flush()
         self._buffer, self._recorded = rows, len(rows.steps())
         self._begun = set(rows.steps())  # (recorded by the run this sink continues)
+
+
+def _user_stacklevel() -> int:
+    """The recorder's ``user_stacklevel``, from this module's caller (imported here: the
+    recorder imports the sinks)."""
+    from gradscope.recorder.checks import user_stacklevel
+
+    return user_stacklevel() - 1  # (one frame more than a direct call: this one)
 
 
 def _last_step_on_disk(log_dir: Path, rank: int) -> int | None:
