@@ -346,3 +346,17 @@ def test_output_log_z_of_a_model_whose_loss_comes_first(only_loss):
     else:
         want = torch.logsumexp(out[1].detach().double(), -1).mean().item()
         assert rows.value.tolist() == pytest.approx([want], rel=1e-6)
+
+
+def test_sublayer_rms_says_which_branches_it_cannot_measure():
+    """nn.TransformerEncoderLayer's feed-forward is two bare Linear children: no sub-layer
+    module to read, so no row, and a warning names them (it was silent)."""
+    model = torch.nn.TransformerEncoder(torch.nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2,
+                                        enable_nested_tensor=False)
+    rec = gradscope.Recorder(model, quantities=["sublayer_out_rms"])
+    with pytest.warns(UserWarning, match=r"layers.0: \['linear1', 'linear2'\] hold parameters outside the sub-layers"):
+        with rec.step(0):
+            model(torch.randn(2, 5, 16)).sum().backward()
+        frame = rec.frame()
+    rec.close()
+    assert sorted(frame.site.unique()) == ["layers.0.self_attn", "layers.1.self_attn"]

@@ -16,7 +16,7 @@ import torch
 
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import Quantity
-from gradscope.recorder.signals import BIDIRECTIONAL
+from gradscope.recorder.signals import BIDIRECTIONAL, sublayer_gaps
 from gradscope.table.keys import Key, model_key
 
 
@@ -116,6 +116,9 @@ class SublayerOutRms(_Signal):
 
     def collect(self, ctx):
         subs = ctx.signals.sublayers
+        gaps = sublayer_gaps(ctx.model, ctx.layout)
+        if gaps:
+            ctx.warn_once("sublayer_gaps", f"{self.name}: {'; '.join(gaps[:3])}{' ...' if len(gaps) > 3 else ''}")
         if subs:
             keys = [Key(-1, *position(ctx.layout, n), n, self.name, None, "branch") for n, _ in subs]
             ctx.add_many(keys, ctx.signals.rms_values()[: len(subs)])

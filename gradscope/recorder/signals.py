@@ -142,7 +142,19 @@ def find_sublayers(model: nn.Module, layout: Layout) -> list[tuple[str, nn.Modul
     when it has none (x-transformers keeps attention and feed-forward as separate blocks)."""
     if not layout.foreign:
         return [(p.name, p.module) for p in layout.probes if p.role == "branch"]
-    out, seen = [], set()
+    return _foreign_sublayers(layout)[0]
+
+
+def sublayer_gaps(model: nn.Module, layout: Layout) -> list[str]:
+    """What :func:`find_sublayers` cannot measure as a residual branch in a foreign model's
+    blocks, one line each: parameters outside the sub-layers it found (``nn.TransformerEncoderLayer``'s
+    feed-forward is two bare ``Linear`` children), and sub-layers that hold a norm (a Post-LN
+    block whose norm is inside the sub-layer, as BERT's: its output is normalised, not the branch)."""
+    return [] if not layout.foreign else _foreign_sublayers(layout)[1]
+
+
+def _foreign_sublayers(layout: Layout) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    out, gaps, seen = [], [], set()
     for p in layout.probes:
         if p.role != "layer_out" or id(p.module) in seen:
             continue
@@ -152,7 +164,19 @@ def find_sublayers(model: nn.Module, layout: Layout) -> list[tuple[str, nn.Modul
                  if not is_norm(c, n) and next(c.parameters(), None) is not None
                  and any(next(g.parameters(), None) is not None for g in c.children())]
         out += inner or [(prefix, p.module)]
-    return out
+        if not inner:
+            continue
+        covered = {n for n, _ in p.module.named_children() if f"{prefix}.{n}" in dict(inner)}
+        left = [n for n, c in p.module.named_children() if n not in covered and not is_norm(c, n)
+                and next(c.parameters(), None) is not None]
+        if left:
+            gaps.append(f"{prefix}: {left} hold parameters outside the sub-layers found ({sorted(covered)}), so "
+                        "their branch has no row")
+        normed = [n for n, c in inner if any(is_norm(g, gn) for gn, g in c.named_modules() if g is not c)]
+        if normed:
+            gaps.append(f"{normed} hold a norm, so their output is normalised (a Post-LN block that adds the "
+                        "residual inside them), not the residual branch")
+    return out, gaps
 
 
 def vocab_sizes(model: nn.Module) -> set[int]:
