@@ -128,3 +128,89 @@ def test_allowed_keys_reads_each_kind_of_mask():
     combined = allowed_keys(padding.bool(), B=2, T=4, S=4, idx=idx, causal=True)  # padding and the triangle
     assert combined[0, 0].equal(torch.ones(4, 4).tril().bool() & torch.tensor([True, True, True, False]))
     assert isinstance(allowed_keys(torch.ones(3, 5), B=2, T=4, S=4, idx=idx, causal=False), str)
+
+
+class CrossAttention(nn.Module):
+    """BART-style cross-attention: queries from the decoder, keys from the encoder (`enc`)."""
+
+    is_causal = False
+
+    def __init__(self, d: int = 16, num_heads: int = 2) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+
+    def forward(self, x, enc, attention_mask=None):
+        B, T, d = x.shape
+        q = self.q_proj(x).view(B, T, self.num_heads, -1).transpose(1, 2)
+        k, v = (p(enc).view(B, enc.shape[1], self.num_heads, -1).transpose(1, 2) for p in (self.k_proj, self.v_proj))
+        keep = attention_mask.bool()[:, None, None, :]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2).reshape(B, T, d)
+
+
+class Seq2Seq(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 16)
+        self.blocks = nn.ModuleList([CrossAttention(), CrossAttention()])
+
+    def forward(self, ids, enc_ids, enc_mask):
+        x, enc = self.embed(ids), self.embed(enc_ids)
+        for b in self.blocks:
+            x = x + b(x, enc, attention_mask=enc_mask)
+        return x
+
+
+def test_cross_attention_with_as_many_keys_as_queries_counts_every_query():
+    """Source and target padded to one length (S = T): a padded encoder key is no padded
+    decoder query, so every query counts (the padded-query rule is self-attention's)."""
+    torch.manual_seed(0)
+    model, ids, enc_ids = Seq2Seq(), torch.randint(0, 20, (2, 4)), torch.randint(0, 20, (2, 4))
+    enc_mask = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
+    twin, seen = copy.deepcopy(model), {}
+    hooks = [b.register_forward_pre_hook(lambda m, a, k=k: seen.__setitem__(k, a[0].detach()))
+             for k, b in enumerate(twin.blocks)]
+    with torch.no_grad():
+        twin(ids, enc_ids, enc_mask)
+    for h in hooks:
+        h.remove()
+    rec = gradscope.Recorder(model, quantities=["attn_entropy"])
+    with rec.step(0):
+        model(ids, enc_ids, enc_mask).square().mean().backward()
+    frame = rec.frame()
+    rec.close()
+    enc = twin.embed(enc_ids).detach()
+    for k, block in enumerate(twin.blocks):
+        q = block.q_proj(seen[k]).view(2, 4, 2, -1).transpose(1, 2)
+        key = block.k_proj(enc).view(2, 4, 2, -1).transpose(1, 2)
+        logits = (q @ key.transpose(-1, -2) / math.sqrt(8)).double().masked_fill(~enc_mask.bool()[:, None, None, :],
+                                                                                    -math.inf)
+        p = logits.softmax(-1)
+        entropy = -(p * p.clamp_min(1e-300).log()).sum(-1).mean(dim=(0, 2))  # every query
+        got = frame[(frame.site == f"blocks.{k}") & frame.layer_j.notna()].sort_values("layer_j").value
+        torch.testing.assert_close(torch.tensor(got.to_numpy(), dtype=torch.float64), entropy, rtol=1e-5, atol=1e-6)
+
+
+def test_hand_written_additive_masks_mask():
+    idx = torch.arange(3)
+    for masked in (-1e4, -1e9, -torch.inf, torch.finfo(torch.float32).min):
+        mask = torch.tensor([[0.0, 0.0, masked]])
+        assert not allowed_keys(mask, 1, 3, 3, idx, False)[..., 2].any()
+    assert allowed_keys(torch.tensor([[0.0, 0.0, -30.0]]), 1, 3, 3, idx, False)[..., 2].all()  # (a bias, as ALiBi's)
+
+
+def test_a_padding_mask_under_compile_with_a_changing_batch_size():
+    """Dynamo makes the batch dimension dynamic at the second size; reading the mask must not
+    break the compiled forward (a bool compared with a SymBool did)."""
+    torch.manual_seed(0)
+    model = Net(causal=True)
+    rec = gradscope.Recorder(model, quantities=["attn_logit_max"])
+    compiled = torch.compile(model, fullgraph=True)
+    for step, batch in enumerate((2, 3, 5)):
+        ids, pad = torch.randint(0, 20, (batch, 6)), torch.ones(batch, 6, dtype=torch.long)
+        pad[0, 4:] = 0
+        with rec.step(step):
+            compiled(ids, pad).square().mean().backward()
+    frame = rec.frame()
+    rec.close()
+    assert sorted(set(frame.step)) == [0, 1, 2]

@@ -222,3 +222,44 @@ def test_a_resumed_run_replaces_the_abandoned_run_s_steps_whole(tmp_path, flush_
     few = gradscope.sinks.parquet.read(log_dir, columns=["step", "value"])
     assert len(few) == len(loaded)
     assert few.groupby("step").size().equals(loaded.groupby("step").size())
+
+
+def _session(log_dir, steps, *, rank: int = 0, bad_at: int | None = None, checkpoint_in: int | None = None):
+    """One Recorder's session over ``steps`` in ``log_dir`` (flush_every 2): a ``bad`` row
+    logged at ``bad_at``; a checkpoint (``state_dict``) inside step ``checkpoint_in``."""
+    torch.manual_seed(rank)
+    model = _model()
+    rec = gradscope.Recorder(model, log_dir=log_dir, flush_every=2, options=gradscope.RecorderOptions(rank=rank))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for step in steps:
+            with rec.step(step):
+                model(torch.randn(4, 8)).square().mean().backward()
+                if step == bad_at:
+                    rec.log("bad", 1.0)
+                if step == checkpoint_in:
+                    rec.state_dict()
+        frame = rec.frame()
+    rec.close()
+    return frame
+
+
+def test_sessions_of_several_ranks_a_filter_and_a_checkpoint_inside_a_step_keep_the_right_rows(tmp_path):
+    """Two ranks in one log_dir, each resumed at step 3, the resumed rank 0 checkpointing
+    inside step 4: every rank keeps steps 0-5 (a session owns the steps of its own rank), the
+    abandoned 'bad' row of step 4 goes (also from a read filtered to it, whose parts no longer
+    overlap), and rec.frame() agrees with load."""
+    log_dir = tmp_path / "run"
+    for rank in (0, 1):
+        _session(log_dir, range(6), rank=rank, bad_at=4)
+    frames = [_session(log_dir, range(3, 6), rank=rank, checkpoint_in=4 if rank == 0 else None) for rank in (0, 1)]
+    loaded = gradscope.load(log_dir)
+    assert {r: sorted(set(g.step)) for r, g in loaded.groupby("rank")} == {0: list(range(6)), 1: list(range(6))}
+    assert "bad" not in set(loaded.quantity)
+    import pyarrow.dataset as ds
+
+    assert gradscope.sinks.parquet.read(log_dir, filter=ds.field("quantity") == "bad").empty
+    for rank, frame in enumerate(frames):
+        assert "bad" not in set(frame.quantity)
+        mine = loaded[loaded["rank"] == rank]
+        assert len(frame) == len(mine) and sorted(set(frame.step)) == list(range(6))

@@ -49,6 +49,7 @@ from gradscope.recorder.site_plan import fully_sharded, plan_sites
 from gradscope.recorder.site_hooks import (_KINDS, _LIVE, _KEYS, GRAD_EXPECTED, TAPPED, _input_hook, _norm_hook,
                                              _output_hook, _root_hook, _tag, _tagged, forget)
 from gradscope.recorder.sqnorm import NormBatch, Reused
+from gradscope.recorder.taps import in_backward
 from gradscope.recorder.writers import EagerWriter, TracedWriter
 
 REACHED, REACHED_IF_TAPPED = 1, 2  # a slot's gradient arrived; a compiled backward ran (see Capture.snapshot)
@@ -325,7 +326,8 @@ class Capture(SiteObserver):
         self.calls = {}
         self.recalls = [0] * self.n_counters
         self.seq = 0
-        self.forwards += 1
+        if not in_backward():  # (a checkpoint's recomputation during backward is the same forward)
+            self.forwards += 1
         if torch.is_grad_enabled():
             self.grad_forwards += 1
         if self.want_cosine:

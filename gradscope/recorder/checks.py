@@ -6,15 +6,12 @@ already warned about, whether any hook has fired yet, and the highest step recor
 
 from __future__ import annotations
 
-import contextlib
-import os
-import sys
 import warnings
 
-import torch
 from torch import nn
 
 from gradscope.recorder.layout import Layout, Probe
+from gradscope.user_frames import user_stacklevel  # noqa: F401  (re-exported)
 from gradscope.recorder.step_data import StepData
 from gradscope.recorder.wrappers import grad_versions
 
@@ -24,21 +21,6 @@ NO_HOOK_FIRED = (
     "Recorder was given ran (copy.deepcopy, a TorchScript or torch.export copy), or a CUDA graph replayed "
     "it. Give the Recorder the model (or its torch.compile wrapper) that the training step calls."
 )
-
-
-_INTERNAL = (os.path.dirname(os.path.dirname(__file__)) + os.sep, os.path.dirname(torch.__file__) + os.sep,
-             contextlib.__file__)
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` that makes a warning point at the user's line: the first frame
-    above the caller of ``warnings.warn`` outside gradscope, torch and contextlib (a
-    warning from rows built later, at ``frame()``, points at that call; one from a hook
-    during backward at ``loss.backward()``)."""
-    frame, level = sys._getframe(2), 2  # (1 would be warnings.warn's caller)
-    while frame is not None and frame.f_code.co_filename.startswith(_INTERNAL):
-        frame, level = frame.f_back, level + 1
-    return level
 
 
 class StepChecks:

@@ -189,11 +189,17 @@ def vocab_sizes(model: nn.Module) -> set[int]:
     return {m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)}
 
 
+KV_ARGS = ("kv", "key_value_states", "encoder_hidden_states", "memory", "key", "context")
+"""Names under which an attention's forward takes the states its keys come from; given and
+other than its first input, it is cross-attention (the padded-query rule is self-attention's)."""
+
+MASKED_AT = -1e4  # an additive float mask at or below this masks the key (allowed_keys)
+
 BIDIRECTIONAL = ("it was called without a mask over queries (none, or one of padded keys only) and has no "
                  "is_causal attribute: every key it was not told to skip was counted, as for bidirectional attention")
 
 
-def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.Tensor, causal: bool
+def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.Tensor, causal: bool, H: int = 1
                  ) -> torch.Tensor | str:
     """Which keys each sampled query (``idx``, of ``T``) may attend to, broadcastable to
     (B, H, n, S), from the mask the attention was called with, combined with the causal
@@ -202,7 +208,10 @@ def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.T
     A bool mask is True where a query attends, a float mask additive (above half the
     dtype's lowest value: attends), an integer mask 1 where it attends (HF's 2-D
     ``attention_mask``). Shapes: (B, S) a key-padding mask, (T, S) one for every sequence,
-    (B, T, S), or 4-D (B or 1, H or 1, T or 1, S).
+    (B, T, S), or 4-D (B or 1, H or 1, T or 1, S). An additive float mask masks where it is
+    at most ``MASKED_AT`` (-1e4: BERT's ``(1 - mask) * -10000``, ``-1e9``, ``finfo.min``,
+    ``-inf``); larger negatives are biases the query still attends through (ALiBi's, up to
+    distances of ~10⁴ tokens).
     """
     device = idx.device
     triangle = torch.arange(S, device=device) <= (idx + (S - T)).unsqueeze(-1)  # (n, S)
@@ -210,13 +219,14 @@ def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.T
         return triangle if causal else torch.ones(idx.numel(), S, dtype=torch.bool, device=device)
     shape = tuple(mask.shape)
     if mask.dim() == 2:
-        if shape[-1] != S or (shape[0] == B) == (shape[0] == T):
+        padding, queries = shape[0] == B and shape[0] != T, shape[0] == T and shape[0] != B  # (no bool == bool:
+        if shape[-1] != S or not (padding or queries):  # Dynamo's dynamic shapes make these SymBools)
             return ("its 2-D mask is neither a key-padding mask (batch, keys) nor a (queries, keys) mask, or could be "
                     "either (as many sequences as queries)")
-        m = mask[:, None, None, :] if shape[0] == B else mask[None, None]
+        m = mask[:, None, None, :] if padding else mask[None, None]
     elif mask.dim() == 3 and shape[0] in (1, B) and shape[1] in (1, T) and shape[2] == S:
         m = mask[:, None]
-    elif mask.dim() == 4 and shape[0] in (1, B) and shape[2] in (1, T) and shape[3] == S:
+    elif mask.dim() == 4 and shape[0] in (1, B) and shape[1] in (1, H) and shape[2] in (1, T) and shape[3] == S:
         m = mask
     else:
         return "its mask's shape fits none of (B, S), (T, S), (B, T, S) or (B, H, T, S)"
@@ -225,7 +235,7 @@ def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.T
     if m.dtype == torch.bool:
         ok = m
     elif m.is_floating_point():
-        ok = m > torch.finfo(m.dtype).min / 2
+        ok = m > MASKED_AT
     else:
         ok = m != 0
     return ok & triangle if causal else ok
@@ -316,7 +326,10 @@ class Signals:
             named.update(kwargs)
             mask = named.get("attention_mask", named.get("mask", named.get("attn_mask")))
             rope = named.get("position_embeddings")
+            first = next(iter(named.values()), None)
+            other = next((named[n] for n in KV_ARGS if isinstance(named.get(n), torch.Tensor)), None)
             self._calls[i] = {"mask": mask if isinstance(mask, torch.Tensor) else None,
+                              "self": other is None or other is first,  # (keys and values from its own input)
                               "rope": rope if isinstance(rope, (tuple, list)) and len(rope) == 2 else None}
             return None
 
@@ -327,6 +340,7 @@ class Signals:
             call = self._calls.get(i)
             if call is not None and isinstance(output, torch.Tensor):
                 call[which] = output.detach()
+                call[f"{which}_in"] = args[0] if args else None  # (a projection's input: q and k of one input?)
             return None
 
         return hook
@@ -344,13 +358,15 @@ class Signals:
                 q, k = call["q"], call["k"]
             else:
                 return None
-            self._attention_stats(i, a, self.attn[i], q, k, call["mask"], call["rope"])
+            projections = isinstance(a.q_src, nn.Linear) and isinstance(a.k_src, nn.Linear)  # (not q_norm/k_norm)
+            own = not projections or call.get("q_in") is call.get("k_in")
+            self._attention_stats(i, a, self.attn[i], q, k, call["mask"], call["rope"], a.fused or (call["self"] and own))
             return None
 
         return hook
 
     def _attention_stats(self, i: int, a: Attention, buf: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                         mask: torch.Tensor | None, rope) -> None:
+                         mask: torch.Tensor | None, rope, self_attention: bool) -> None:
         B, T = q.shape[0], q.shape[1]
         S = k.shape[1]
         q = q.reshape(B, T, a.heads, a.head_dim)
@@ -370,13 +386,13 @@ class Signals:
         if a.kv_heads != a.heads:
             k = k.repeat_interleave(a.heads // a.kv_heads, dim=1)
         logits = (q @ k.transpose(-1, -2)) * a.scale  # (B, H, n, S)
-        allowed = allowed_keys(mask, B, T, S, idx, a.causal)
+        allowed = allowed_keys(mask, B, T, S, idx, a.causal, a.heads)
         if isinstance(allowed, str):
             self.unread[i] = allowed
             return
         if not a.causal_known and (mask is None or mask.dim() == 2 and mask.shape[0] == B or mask.shape[-2] == 1):
             self.unread.setdefault(i, BIDIRECTIONAL)  # (no mask, or one of keys only, and causality not said)
-        if S == T:  # self-attention: a query whose own key is masked is a padded position, not counted
+        if self_attention and S == T:  # a query whose own key is masked is a padded position, not counted
             allowed = allowed.expand(*allowed.shape[:-2], idx.numel(), S)
             allowed = allowed & allowed[..., torch.arange(idx.numel(), device=idx.device), idx].unsqueeze(-1)
         allowed = allowed.expand(logits.shape)

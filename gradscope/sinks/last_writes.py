@@ -31,14 +31,14 @@ import pyarrow.compute as pc
 @dataclass
 class Part:
     """One part file as read: its rows, when it was written (ns), its source (a ``log_dir``,
-    or the file itself), its session ("" when not recorded) and the steps that began in its
-    session (None when not recorded)."""
+    or the file itself), its session ("" when not recorded) and what began in its session
+    (``{"run", "rank", "steps"}``; None when not recorded)."""
 
     table: pa.Table
     written: int
     source: str
     session: str = ""
-    begun: set[int] | None = None
+    begun: dict | None = None
 
 
 def last_writes(parts: list[Part]) -> pd.DataFrame:
@@ -61,6 +61,12 @@ def last_writes(parts: list[Part]) -> pd.DataFrame:
 
     pairs = [(i, j) for i in range(len(spans)) for j in range(i + 1, len(spans)) if overlap(spans[i], spans[j])]
     sources = [p.source for p in parts]
+    # (several sessions in one source: ownership comes from what began where, also for parts a
+    # filter left empty or that overlap no other part after it)
+    sessions_in = {}
+    for p in parts:
+        sessions_in.setdefault(p.source, set()).add(p.session)
+    resumed = any(len(found) > 1 for found in sessions_in.values())
     clashes = sorted({(sources[i], sources[j]) for i, j in pairs if sources[i] != sources[j]})
     if clashes:
         names = sorted({str(r[0]) for i, j in pairs if sources[i] != sources[j] for r in spans[i][0] & spans[j][0]})
@@ -68,7 +74,7 @@ def last_writes(parts: list[Part]) -> pd.DataFrame:
                       f"(run {', '.join(map(repr, names[:5]))}; e.g. {clashes[0][0]} and {clashes[0][1]}): all their rows "
                       "are kept, and only their place tells them apart in the frame. Give each Recorder its own run=, "
                       "or load them one by one", stacklevel=4)
-    if not any(sources[i] == sources[j] for i, j in pairs):
+    if not resumed and not any(sources[i] == sources[j] for i, j in pairs):
         return pa.concat_tables(tables).to_pandas()
     rows = [t.num_rows for t in tables]
     source_id = np.unique(sources, return_inverse=True)[1]
@@ -78,10 +84,14 @@ def last_writes(parts: list[Part]) -> pd.DataFrame:
     df["_written"] = np.repeat(np.argsort(np.argsort([p.written for p in parts], kind="stable"), kind="stable"), rows)
     df["_source"] = np.repeat(source_id, rows)
     df["_session"] = np.repeat([session_of[p.session] for p in parts], rows)
-    began = [(source_id[k], session_of[p.session], step) for k, p in enumerate(parts) if p.begun for step in p.begun]
-    if began:  # each step's owner: the newest session that began it in that source
-        owner = pd.DataFrame(began, columns=["_source", "_owner", "step"]).groupby(["_source", "step"])["_owner"].max()
-        owned = df.join(owner, on=["_source", "step"])["_owner"]
+    began = [(source_id[k], p.begun["run"], p.begun["rank"], session_of[p.session], step)
+             for k, p in enumerate(parts) if p.begun for step in p.begun["steps"]]
+    if began:  # each (run, rank, step)'s owner: the newest session that began it in that source
+        at = ["_source", "run", "rank", "step"]
+        began = pd.DataFrame(began, columns=["_source", "run", "rank", "_owner", "step"])
+        began = began.astype({c: df[c].dtype for c in ("run", "rank", "step")})
+        owner = began.groupby(at, dropna=False)["_owner"].max()
+        owned = df.join(owner, on=at)["_owner"]
         df = df[owned.isna().to_numpy() | (df["_session"].to_numpy() >= owned.fillna(-1).to_numpy())]
     newest = df.groupby([*key, "_source"], dropna=False, sort=False)["_written"].transform("max")
     return df[df["_written"] == newest].drop(columns=["_written", "_source", "_session"]).reset_index(drop=True)

@@ -43,6 +43,7 @@ from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table import COLUMNS, DTYPES, empty_frame
 from gradscope.table.keys import Key
 from gradscope.sinks.last_writes import Part, last_writes
+from gradscope.user_frames import user_stacklevel
 from gradscope.table.parquet import (BEGUN_KEY, SCHEMA, SESSION_KEY, WRITTEN_KEY, legacy_roles, require_tag, to_arrow,
                                      unreadable, write_part)
 from gradscope.table.rows import RowStore
@@ -121,7 +122,8 @@ class ParquetSink(Sink):
         table = to_arrow(self.pending())
         table = table.replace_schema_metadata({**table.schema.metadata, WRITTEN_KEY: str(time.time_ns()).encode(),
                                                SESSION_KEY: self._session.encode(),
-                                               BEGUN_KEY: json.dumps(sorted(self._begun & set(steps))).encode()})
+                                               BEGUN_KEY: json.dumps({"run": self.info.run, "rank": self.info.rank,
+                                                                      "steps": sorted(self._begun)}).encode()})
         name = f"part-r{self.info.rank}-{min(steps):010d}-{max(steps):010d}-{secrets.token_hex(4)}.parquet"
         self.written.append(write_part(table, self.log_dir / name))
         self._buffer, self._recorded, self._begun = RowStore(), 0, set()
@@ -161,10 +163,7 @@ class ParquetSink(Sink):
 
 
 def _user_stacklevel() -> int:
-    """The recorder's ``user_stacklevel``, from this module's caller (imported here: the
-    recorder imports the sinks)."""
-    from gradscope.recorder.checks import user_stacklevel
-
+    """:func:`gradscope.user_frames.user_stacklevel`, from this module's caller."""
     return user_stacklevel() - 1  # (one frame more than a direct call: this one)
 
 
@@ -264,7 +263,7 @@ def read(path: str | os.PathLike | list, *, columns: list[str] | None = None, fi
         begun = meta.get(BEGUN_KEY)
         parts.append(Part(table, int(stamp) if stamp is not None else os.stat(fragment.path).st_mtime_ns,
                           str(Path(fragment.path).parent) if stamp is not None else fragment.path,  # a log_dir, or a file
-                          meta.get(SESSION_KEY, b"").decode(), set(json.loads(begun)) if begun is not None else None))
+                          meta.get(SESSION_KEY, b"").decode(), json.loads(begun) if begun is not None else None))
     df = last_writes(parts)[reading]
     if legacy and {"role", "quantity", "site", "stack", "layer", "variant"} <= set(columns):
         missing = df["role"].isna()
