@@ -226,3 +226,26 @@ def test_a_log_dir_that_cannot_be_written_is_refused_when_the_recorder_is_made(t
         gradscope.Recorder(model, log_dir=tmp_path / "afile" / "sub")
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert sorted(p.name for p in tmp_path.iterdir()) == ["afile"]
+
+
+def test_a_failed_part_write_names_log_dir_and_keeps_the_rows_for_the_next_flush(tmp_path, monkeypatch):
+    """Disk full at a flush: the error names gradscope, log_dir and the steps (pyarrow's raw
+    OSError did not), and once writing works again nothing is lost."""
+    import errno
+
+    import gradscope.sinks.parquet as parquet
+
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Tanh()) for _ in range(3)])
+    rec = gradscope.Recorder(model, quantities=["act_grad_norm"], log_dir=tmp_path / "run", flush_every=2)
+    real = parquet.write_part
+
+    def full(table, path):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(parquet, "write_part", full)
+    with pytest.raises(OSError, match=r"gradscope: writing steps 0-1 to log_dir .*run failed \(No space left"):
+        for step in range(3):
+            with rec.step(step):
+                model(torch.randn(2, 4)).square().sum().backward()
+    monkeypatch.setattr(parquet, "write_part", real)
+    rec.close()  # (step 2 did not run: opening it raised, at the flush of steps 0-1)
+    assert sorted(set(gradscope.load(tmp_path / "run").step)) == [0, 1]

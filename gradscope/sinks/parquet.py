@@ -93,7 +93,8 @@ class ParquetSink(Sink):
         if self._on_disk is not None and step <= self._on_disk:
             warnings.warn(f"gradscope: step {step} is already in {self.log_dir} (an earlier run of rank {self.info.rank} "
                           f"wrote steps up to {self._on_disk}): a resumed run writes it again, and gradscope.load keeps "
-                          "this newest write of each step", stacklevel=_user_stacklevel())
+                          "this newest write of each step; the earlier run's steps this one does not reach stay, so a "
+                          "new run (not a resumed one) wants a log_dir of its own", stacklevel=_user_stacklevel())
             self._on_disk = None  # said once
         if self._recorded >= self.flush_every:
             self.flush()
@@ -125,7 +126,12 @@ class ParquetSink(Sink):
                                                BEGUN_KEY: json.dumps({"run": self.info.run, "rank": self.info.rank,
                                                                       "steps": sorted(self._begun)}).encode()})
         name = f"part-r{self.info.rank}-{min(steps):010d}-{max(steps):010d}-{secrets.token_hex(4)}.parquet"
-        self.written.append(write_part(table, self.log_dir / name))
+        try:
+            self.written.append(write_part(table, self.log_dir / name))
+        except OSError as e:  # (disk full, folder gone or made read-only: the rows stay buffered for a later flush)
+            raise OSError(e.errno, f"gradscope: writing steps {min(steps)}-{max(steps)} to log_dir {self.log_dir} "
+                                   f"failed ({e.strerror or e}); they stay in memory and are written at the next flush "
+                                   "once the cause is gone (rec.flush())") from e
         self._buffer, self._recorded, self._begun = RowStore(), 0, set()
 
     def close(self) -> None:
