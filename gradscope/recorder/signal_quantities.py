@@ -16,7 +16,7 @@ import torch
 
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import Quantity
-from gradscope.recorder.signals import BIDIRECTIONAL, sublayer_gaps
+from gradscope.recorder.signals import BIDIRECTIONAL
 from gradscope.table.keys import Key, model_key
 
 
@@ -116,7 +116,7 @@ class SublayerOutRms(_Signal):
 
     def collect(self, ctx):
         subs = ctx.signals.sublayers
-        gaps = sublayer_gaps(ctx.model, ctx.layout)
+        gaps = ctx.signals.sublayer_gaps
         if gaps:
             ctx.warn_once("sublayer_gaps", f"{self.name}: {'; '.join(gaps[:3])}{' ...' if len(gaps) > 3 else ''}")
         if subs:

@@ -260,6 +260,7 @@ class Signals:
         self.attention = find_attention(model)
         self.unrecognised = unread_attention(model)  # attention-like modules whose q and k cannot be read
         self.sublayers = find_sublayers(model, layout)
+        self.sublayer_gaps = sublayer_gaps(model, layout)  # (found once: what sublayer_out_rms cannot measure)
         self.vocab = vocab_sizes(model)
         self.want_attention = self.want_rms = self.want_logits = False
         self.attn: list[torch.Tensor] = []  # per module (H, 3): running max logit, entropy sum, query count
