@@ -36,6 +36,7 @@ that refills its batch tensors in place must hand the closure a copy.
 from __future__ import annotations
 
 import math
+import operator
 import random
 import warnings
 from collections.abc import Callable
@@ -204,6 +205,7 @@ class SpikeReplay:
         self.watch = SpikeWatch(options)
         self.grad_norm: torch.Tensor | None = None
         self._rng: RngStates | None = None
+        self._extra: tuple | None = None  # (optimizer key, the model's parameters, the optimizer's others)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -218,11 +220,15 @@ class SpikeReplay:
         optimizer = self.recorder.optimizer
         if optimizer is None:
             return params
-        held = set(map(id, params))
-        extra = [p for group in getattr(optimizer, "param_groups", ()) for p in group["params"] if id(p) not in held]
-        if not extra:
-            return params
-        return params + list({id(p): p for p in extra}.values())
+        groups = getattr(optimizer, "param_groups", ())
+        key = (id(optimizer), [(id(g["params"]), len(g["params"])) for g in groups])
+        kept = self._extra  # (found again only when the optimizer's groups or the model's parameters changed:
+        if (kept is None or kept[0] != key or len(kept[1]) != len(params)  # the watch reads them every step)
+                or not all(map(operator.is_, params, kept[1]))):
+            held = set(map(id, params))
+            extra = list({id(p): p for g in groups for p in g["params"] if id(p) not in held}.values())
+            kept = self._extra = (key, params, extra)
+        return params + kept[2] if kept[2] else params
 
     def before(self) -> None:
         """Takes the RNG states, before the step's closure runs."""
