@@ -166,7 +166,7 @@ def _foreign_sublayers(layout: Layout) -> tuple[list[tuple[str, nn.Module]], lis
         out += inner or [(prefix, p.module)]
         if not inner:
             continue
-        covered = {n for n, _ in p.module.named_children() if f"{prefix}.{n}" in dict(inner)}
+        covered = {name.rpartition(".")[2] for name, _ in inner}
         left = [n for n, c in p.module.named_children() if n not in covered and not is_norm(c, n)
                 and next(c.parameters(), None) is not None]
         if left:
@@ -214,9 +214,11 @@ def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.T
     distances of ~10⁴ tokens).
     """
     device = idx.device
-    triangle = torch.arange(S, device=device) <= (idx + (S - T)).unsqueeze(-1)  # (n, S)
+    def triangle() -> torch.Tensor:  # (n, S): keys up to each sampled query (a cache's S - T earlier keys too)
+        return torch.arange(S, device=device) <= (idx + (S - T)).unsqueeze(-1)
+
     if mask is None:
-        return triangle if causal else torch.ones(idx.numel(), S, dtype=torch.bool, device=device)
+        return triangle() if causal else torch.ones(idx.numel(), S, dtype=torch.bool, device=device)
     shape = tuple(mask.shape)
     if mask.dim() == 2:
         padding, queries = shape[0] == B and shape[0] != T, shape[0] == T and shape[0] != B  # (no bool == bool:
@@ -238,7 +240,7 @@ def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.T
         ok = m > MASKED_AT
     else:
         ok = m != 0
-    return ok & triangle if causal else ok
+    return ok & triangle() if causal else ok
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
