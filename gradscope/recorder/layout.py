@@ -201,7 +201,7 @@ def _repeated_blocks(model: nn.Module) -> list[tuple[str, list[tuple[str, nn.Mod
     return found
 
 
-def _width(block: nn.Module) -> int | None:
+def block_width(block: nn.Module) -> int | None:
     """Feature width of a block's output, read from the widest norm inside it (the residual
     stream's: Qwen3's per-head ``q_norm``/``k_norm`` are narrower): its ``normalized_shape``,
     else its 1-D gain whatever its name (``weight``, ``scale``, ``g``, ``gamma``); for a block
@@ -237,7 +237,7 @@ def _foreign_layout(model: nn.Module) -> Layout:
                 groups[f"{prefix}.{pname}"] = (sname, i + 1, [])
         if one_class:  # a cosine stack; outputs of another width are skipped when they arrive
             names = (f"{blocks[0][0]}.in", *(f"{p}.out" for p, _ in blocks))
-            stacks.append(StackOutputs(sname, names, _width(blocks[0][1])))
+            stacks.append(StackOutputs(sname, names, block_width(blocks[0][1])))
     norms = []
     modules = dict(model.named_modules())
     for name, module in modules.items():

@@ -16,7 +16,6 @@ import torch
 
 from gradscope.recorder.layout import Layout
 from gradscope.recorder.quantity import Quantity
-from gradscope.recorder.signals import BIDIRECTIONAL
 from gradscope.table.keys import Key, model_key
 
 
@@ -58,11 +57,8 @@ class AttnLogitMax(_Signal):
                           "named n_heads, num_heads or num_attention_heads): no rows for them")
         for i, reason in sorted(signals.unread.items()):
             a = signals.attention[i]
-            unread = reason is not BIDIRECTIONAL
-            ctx.warn_once(f"attention {a.name} {reason}", f"{self.name}: attention {a.name!r}: {reason}" + (
-                "; its calls so read have no rows" if unread else
-                ". If it is causal, set is_causal = True on the module (False says it is bidirectional and silences "
-                "this)") + ". Not reported again.")
+            ctx.warn_once(f"attention {a.name} {reason}", f"{self.name}: attention {a.name!r}: {reason}; its calls so "
+                          "read have no rows. Not reported again.")
         for a, values in zip(signals.attention, signals.attention_values()):
             heads = values[self.which]
             _per_head(ctx, a.name, self.name, heads, heads.amax() if self.which == 0 else heads.mean())

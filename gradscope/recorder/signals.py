@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from gradscope.recorder.layout import Layout, is_norm
+from gradscope.recorder.layout import Layout, block_width, is_norm
 from gradscope.recorder.sqnorm import squared_norm
 from gradscope.recorder.hookset import HookSet
 from gradscope.recorder.taps import first_tensor, in_backward
@@ -154,28 +154,39 @@ def sublayer_gaps(model: nn.Module, layout: Layout) -> list[str]:
 
 
 def _foreign_sublayers(layout: Layout) -> tuple[list[tuple[str, nn.Module]], list[str]]:
+    """(the sub-layers measured, what cannot be: one line per block). A child is no branch,
+    and is left out, when it holds a norm (its output is normalised: a Post-LN block such as
+    BERT's adds the residual inside it) or when its last ``nn.Linear`` is not as wide as the
+    block's output (BERT's ``intermediate``: the feed-forward's hidden activation)."""
     out, gaps, seen = [], [], set()
     for p in layout.probes:
         if p.role != "layer_out" or id(p.module) in seen:
             continue
         seen.add(id(p.module))
         prefix = p.name[: -len(".out")]
-        inner = [(f"{prefix}.{n}", c) for n, c in p.module.named_children()
+        inner = [(n, c) for n, c in p.module.named_children()
                  if not is_norm(c, n) and next(c.parameters(), None) is not None
                  and any(next(g.parameters(), None) is not None for g in c.children())]
-        out += inner or [(prefix, p.module)]
         if not inner:
+            out.append((prefix, p.module))
             continue
-        covered = {name.rpartition(".")[2] for name, _ in inner}
+        width = block_width(p.module)
+        normed = [n for n, c in inner if any(is_norm(g, gn) for gn, g in c.named_modules() if g is not c)]
+        narrow = [n for n, c in inner if n not in normed and width is not None
+                  and (lin := [m for m in c.modules() if isinstance(m, nn.Linear)]) and lin[-1].out_features != width]
+        out += [(f"{prefix}.{n}", c) for n, c in inner if n not in normed and n not in narrow]
+        covered = {n for n, _ in inner}
         left = [n for n, c in p.module.named_children() if n not in covered and not is_norm(c, n)
                 and next(c.parameters(), None) is not None]
         if left:
             gaps.append(f"{prefix}: {left} hold parameters outside the sub-layers found ({sorted(covered)}), so "
                         "their branch has no row")
-        normed = [n for n, c in inner if any(is_norm(g, gn) for gn, g in c.named_modules() if g is not c)]
         if normed:
-            gaps.append(f"{normed} hold a norm, so their output is normalised (a Post-LN block that adds the "
-                        "residual inside them), not the residual branch")
+            gaps.append(f"{prefix}: {normed} hold a norm, so their output is normalised (a Post-LN block that adds the "
+                        "residual inside them), not the residual branch: no row")
+        if narrow:
+            gaps.append(f"{prefix}: {narrow} end in a projection narrower or wider than the block's output "
+                        f"({width}), so they are no residual branch: no row")
     return out, gaps
 
 
@@ -196,7 +207,8 @@ other than its first input, it is cross-attention (the padded-query rule is self
 MASKED_AT = -1e4  # an additive float mask at or below this masks the key (allowed_keys)
 
 BIDIRECTIONAL = ("it was called without a mask over queries (none, or one of padded keys only) and has no "
-                 "is_causal attribute: every key it was not told to skip was counted, as for bidirectional attention")
+                 "is_causal attribute, so whether a query sees the keys after it is not known; set is_causal = True "
+                 "(causal) or False (bidirectional) on the module")
 
 
 def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.Tensor, causal: bool, H: int = 1
@@ -394,7 +406,8 @@ class Signals:
             self.unread[i] = allowed
             return
         if not a.causal_known and (mask is None or mask.dim() == 2 and mask.shape[0] == B or mask.shape[-2] == 1):
-            self.unread.setdefault(i, BIDIRECTIONAL)  # (no mask, or one of keys only, and causality not said)
+            self.unread[i] = BIDIRECTIONAL  # (no mask over queries, and causality not said: which keys count is unknown)
+            return
         if self_attention and S == T:  # a query whose own key is masked is a padded position, not counted
             allowed = allowed.expand(*allowed.shape[:-2], idx.numel(), S)
             allowed = allowed & allowed[..., torch.arange(idx.numel(), device=idx.device), idx].unsqueeze(-1)
