@@ -49,7 +49,7 @@ def test_config_is_frozen_and_keyword_only():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.d_model = 3
     with pytest.raises(TypeError):
-        ModelConfig("encoder_decoder")  # noqa: the dataclass is keyword-only
+        ModelConfig("encoder_decoder")  # the dataclass is keyword-only
 
 
 def test_replace_validates():
