@@ -1,0 +1,56 @@
+"""The end of a recorded step, as a mixin of :class:`~gradscope.recorder.recorder.Recorder`:
+:meth:`StepEnd._finish` lets each quantity add its device values to the step's buffer and
+takes them to the host in the step's one transfer; :meth:`StepEnd._rows` turns those host
+values into rows later (:class:`~gradscope.recorder.late_rows.LateRows` calls it, in bulk).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from gradscope.recorder.context import StepContext
+from gradscope.recorder.finish import SCALE, host_marks, step_rows
+from gradscope.recorder.wrappers import no_autocast
+from gradscope.table.keys import model_key
+
+
+class StepEnd:
+    """The end-of-step half of a :class:`~gradscope.recorder.recorder.Recorder` (its
+    attributes are the Recorder's)."""
+
+    def _finish(self, step: int, wants: set[str]) -> None:
+        buf = self._buffer
+        with no_autocast(self._capture.device):  # leaving the step inside autocast must not lower precision
+            snapshots, calls = self._capture.end()
+            scale = self._scaler_watch.step_scale()  # (the backward's: scaler.update() may have run since)
+            if scale is not None:
+                buf.add(model_key(SCALE), scale)
+            ctx = StepContext(step, self.model, self.layout, self.groups, self.optimizer, self._lr_from_optimizer,
+                              self._capture.device, self._capture, buf, self._checks.warned, lr_used=self._updates.lr_used)
+            for name, quantity in self._quantities.items():
+                if name in wants:
+                    ctx.current = quantity
+                    if quantity.collect(ctx) is not None:
+                        raise TypeError(f"{type(quantity).__name__}.collect returned a value, which records nothing: "
+                                        "add values with ctx.add(key, value), ctx.add_many or ctx.add_model_value")
+            buf.add_block("snapshots", [t for g, f, _, _ in snapshots for t in (g, f)], (len(snapshots), -1))
+            values = buf.transfer()  # the one host transfer of this step
+        host = (values, [(m, r) for _, _, m, r in snapshots], wants, calls,
+                self._scaler_watch.params_unscaled(self._checks.warn_once),
+                self._capture.backwards, self._capture.grad_forwards, self._capture.forwards)
+        self._late.step(step, host, now=not self._checks.ever_seen)  # (until a hook fired: checked now)
+
+    def _rows(self, step: int, host: tuple) -> tuple[list, np.ndarray]:
+        """The rows of one recorded step from its host values (:class:`LateRows` calls it)."""
+        transferred, marks, wants, calls, params_unscaled, backwards, grad_forwards, forwards = host
+        keys, values, blocks = transferred.arrays()
+        blocks["marks"], blocks["reached"] = host_marks(marks, self._capture.n_taps)
+        keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
+                                       K=self._capture.K, quantities=self._quantities, wants=wants,
+                                       params_unscaled=params_unscaled, backwards=backwards, grad_forwards=grad_forwards,
+                                       forwards=forwards, call_counts=calls,
+                                       value_stats=self._value_stats, grad_stats=self._grad_stats,
+                                       width=self._capture.width, key_cache=self._key_cache)
+        self._checks.after(step, data, calls, wants)
+        self._checks.merged(step, [n for n in self._quantities if n in wants and self._quantities[n].merged_away(data)])
+        return keys, values
