@@ -258,3 +258,34 @@ def test_compiled_replay_equals_compiled_always_recording():
     finally:
         torch.use_deterministic_algorithms(False)
         torch._dynamo.reset()
+
+
+def test_the_watch_norm_under_a_grad_scaler_is_the_unscaled_norm_clipping_uses():
+    """With a GradScaler, ``rec.grad_norm`` is the norm after ``scaler.unscale_`` (it was the
+    scaled norm, 1024× too large here, so clipping with it did not clip)."""
+    model = zoo(dropout=0.0)
+    twin = copy.deepcopy(model)
+    opt, twin_opt = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, twin))
+    scaler, twin_scaler = (torch.amp.GradScaler("cpu", init_scale=1024.0) for _ in range(2))
+    rec = gradscope.Recorder(model, optimizer=opt, scaler=scaler, every=1000, on_spike="replay")
+    (tokens,) = batches(n=1)[0]
+
+    def scaled(m, s):
+        def step():
+            out = m(tokens[:, :-1])
+            loss = F.cross_entropy(out.flatten(0, 1), tokens[:, 1:].flatten())
+            s.scale(loss).backward()
+            return loss.detach()
+        return step
+
+    rec.run(0, scaled(model, scaler))
+    scaled(twin, twin_scaler)()
+    scaler.unscale_(opt)
+    twin_scaler.unscale_(twin_opt)
+    clipped = torch.nn.utils.clip_grad_norm_(twin.parameters(), 0.1)
+    assert torch.equal(rec.grad_norm, clipped)  # (the scale is a power of two: division by it is exact)
+    assert rec.watch.last.grad_norm == pytest.approx(clipped.item(), rel=1e-6)
+    torch.nn.utils.clip_grads_with_norm_(model.parameters(), 0.1, rec.grad_norm)
+    for a, b in zip(model.parameters(), twin.parameters()):
+        assert torch.equal(a.grad, b.grad)
+    rec.close()

@@ -248,7 +248,7 @@ class SpikeReplay:
         else:
             raise TypeError(f"Recorder.run: the closure must return the step's loss (a 0-d tensor or a number), "
                             f"got {type(loss).__name__}")
-        return norm, torch.stack([value, watched.float()])
+        return watched, torch.stack([value, watched.float()])
 
     def after(self, step: int, loss, rerun: Callable[[], object], *, recorded: bool, log_loss: bool) -> Reading:
         """Watches the step just run; replays it when it spiked and was not recorded.
@@ -266,8 +266,8 @@ class SpikeReplay:
         if self._rng is None:  # (at every step, not first at a spike hours into the run)
             raise RuntimeError(f"Recorder: step {step} is watched but its RNG states were not taken before it ran "
                                "(open the step with rec.run or rec.begin_step, then call check_spike after end_step)")
-        norm, values = self._values(loss)
-        self.grad_norm = norm
+        watched, values = self._values(loss)
+        self.grad_norm = watched  # (divided by a GradScaler's scale: the norm of the gradients unscale_ leaves)
         loss_value, norm_value = values.tolist()  # the watch's one host sync
         reading = self.watch.observe(step, loss_value, norm_value)
         if reading.flagged and not recorded:

@@ -83,5 +83,6 @@ class StepRunner:
     @property
     def grad_norm(self) -> torch.Tensor | None:
         """The total gradient norm the watch took of the last step (0-d, on the device), for
-        ``torch.nn.utils.clip_grads_with_norm_``; None without ``on_spike``."""
+        ``torch.nn.utils.clip_grads_with_norm_``; None without ``on_spike``. With a
+        ``GradScaler`` it is divided by the scale: the norm after ``scaler.unscale_(opt)``."""
         return self._replay.grad_norm if self._replay is not None else None
