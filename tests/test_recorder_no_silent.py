@@ -173,3 +173,25 @@ def test_a_stack_that_changes_width_warns_instead_of_a_silent_gap():
         with gradscope.record(model, quantities="all", slow_every=1) as rec:
             run().backward()
     assert (rec.frame().quantity == "cosine").any()  # the encoder's own stack still has its rows
+
+
+@pytest.mark.parametrize("logged", [False, True])
+def test_lr_asked_for_without_an_optimizer_warns_unless_logged(logged):
+    """``lr`` named in ``quantities`` with no optimizer and no ``rec.log("lr", ...)`` has no
+    rows: a warning says why (it was silent, while update_ratio and grad_rms_over_eps warn)."""
+    model = Net()
+    rec = gradscope.Recorder(model, quantities=["lr", "param_grad_norm"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in range(2):
+            with rec.step(step):
+                model(torch.randn(2, 3, 8)).square().mean().backward()
+                if logged:
+                    rec.log("lr", 0.1)
+    rec.close()
+    said = [str(w.message) for w in caught if "lr is read from the optimizer" in str(w.message)]
+    lr = rec.frame().query("quantity == 'lr'")
+    if logged:
+        assert not said and lr.value.tolist() == [0.1, 0.1]
+    else:
+        assert len(said) == 1 and lr.empty

@@ -33,6 +33,11 @@ class StepEnd:
                     if quantity.collect(ctx) is not None:
                         raise TypeError(f"{type(quantity).__name__}.collect returned a value, which records nothing: "
                                         "add values with ctx.add(key, value), ctx.add_many or ctx.add_model_value")
+            if "lr" in wants and self.optimizer is None and "lr" in self._named and "lr" not in self._checks.warned \
+                    and not any(k.quantity == "lr" for k in buf.keys) and not any(k.quantity == "lr" for k, _ in buf.host):
+                self._checks.warn_once("lr", "lr is read from the optimizer: give the Recorder the optimizer "
+                                       "(Recorder(model, optimizer=opt), or rec.attach_optimizer(opt)) or log it yourself "
+                                       "with rec.log('lr', value); until then it has no rows")
             buf.add_block("snapshots", [t for g, f, _, _ in snapshots for t in (g, f)], (len(snapshots), -1))
             values = buf.transfer()  # the one host transfer of this step
         host = (values, [(m, r) for _, _, m, r in snapshots], wants, calls,
