@@ -263,3 +263,45 @@ def test_sessions_of_several_ranks_a_filter_and_a_checkpoint_inside_a_step_keep_
         assert "bad" not in set(frame.quantity)
         mine = loaded[loaded["rank"] == rank]
         assert len(frame) == len(mine) and sorted(set(frame.step)) == list(range(6))
+
+
+@pytest.mark.parametrize("resumed_steps", [range(13, 22), range(16, 19)])
+def test_a_resumed_run_that_runs_a_replayed_step_unrecorded_owns_it(tmp_path, resumed_steps):
+    """The abandoned run replayed a spike at step 17; the resumed run ran step 17 without one
+    and without recording it (every=5). The replay's rows are not read back (a new-user review:
+    they were, so the table showed a spike the final run never had). ``range(16, 19)`` records
+    nothing in the resumed session: its end writes a part of no rows that says what it ran."""
+    from gradscope.recorder.replay import ReplayOptions
+
+    torch.manual_seed(0)
+    model = Net()
+    x = torch.randn(4, 3, 8)
+    watch = ReplayOptions(window=16, min_history=8)
+
+    def closure(spike: bool):
+        def step():
+            loss = model(x).square().mean() * (1e3 if spike else 1.0)
+            loss.backward()
+            return loss.detach()
+        return step
+
+    def run(steps, spike_at):
+        rec = gradscope.Recorder(model, every=5, log_dir=tmp_path / "run", flush_every=2, on_spike=watch)
+        for step in steps:
+            model.zero_grad(set_to_none=True)
+            rec.run(step, closure(step == spike_at))
+        return rec
+
+    abandoned = run(range(20), spike_at=17)
+    assert [r.step for r in abandoned.watch.flagged] == [17]
+    abandoned.close()
+    assert 17 in set(gradscope.load(tmp_path / "run").step)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (step already in log_dir: said, and tested elsewhere)
+        resumed = run(resumed_steps, spike_at=None)
+        assert 17 not in set(resumed.frame().step)  # (before the end: the step is in this session's buffer of steps)
+        resumed.close()
+        loaded = gradscope.load(tmp_path / "run")
+    assert 17 not in set(loaded.step) and "replay" not in set(loaded.quantity)
+    assert 17 not in set(resumed.frame().step)
+    assert {0, 5, 10, 15} <= set(loaded.step)  # (the abandoned run's steps before the resume stay)

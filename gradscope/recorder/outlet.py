@@ -73,6 +73,11 @@ class Outlet:
         for s in self.sinks:
             s.begin(step)
 
+    def ran(self, step: int) -> None:
+        """A step that is not recorded ran (the ``log_dir`` sink notes that this session owns it)."""
+        if self.disk is not None:
+            self.disk.ran(step)
+
     def append(self, step: int, keys: list[Key], values: np.ndarray) -> None:
         """One piece of step ``step``'s rows (the spike rows it causes are added to it)."""
         if not keys:

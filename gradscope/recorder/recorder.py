@@ -232,6 +232,7 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
         if self._replay is not None and not replay:
             self._replay.before()
         if not (replay or self.records(step)):
+            self._out.ran(step)  # (a resumed run that runs a step owns it in log_dir: recorded or not)
             return False
         self._checks.begin(step)
         self._late.begin(step)

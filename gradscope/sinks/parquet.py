@@ -101,6 +101,12 @@ class ParquetSink(Sink):
         self._recorded += 1
         self._begun.add(step)
 
+    def ran(self, step: int) -> None:
+        """A step this session ran without recording it: it owns the step all the same, so an
+        abandoned run's rows of it (a spike replay the resumed run did not need) are not read
+        back (gradscope/sinks/last_writes.py)."""
+        self._begun.add(step)
+
     def writes_part_at(self, waiting: int) -> bool:
         """Whether :meth:`begin` writes a part next, once ``waiting`` more step starts came."""
         return self._recorded + waiting >= self.flush_every
@@ -117,9 +123,9 @@ class ParquetSink(Sink):
 
     def flush(self) -> None:
         """Writes the buffered rows as one part file (nothing when the buffer is empty)."""
-        if self.info is None or not len(self._buffer):
+        if self.info is None or not (len(self._buffer) or self._begun):
             return
-        steps = self._buffer.steps()
+        steps = self._buffer.steps() or sorted(self._begun)  # (no rows: a part of no rows says which steps it ran)
         table = to_arrow(self.pending())
         table = table.replace_schema_metadata({**table.schema.metadata, WRITTEN_KEY: str(time.time_ns()).encode(),
                                                SESSION_KEY: self._session.encode(),
@@ -148,14 +154,14 @@ class ParquetSink(Sink):
         ``gradscope.load`` reads it (a row logged later for a flushed step adds to it)."""
         files = self._earlier + self.written
         parts = [read(files)] if files else []
+        if parts and self._begun:  # (a step this session began or ran and has not written yet is its own whole,
+            parts[0] = parts[0][~parts[0]["step"].isin(list(self._begun))]  # as load reads it)
         if self.info is not None and len(self._buffer):
             pending = self.pending()
             if parts:  # the buffer is the newest write of its (run, step, quantity)s, as load reads them
                 key = ["run", "step", "quantity"]
                 newer = pd.MultiIndex.from_frame(pending[key].drop_duplicates())
-                # (a step this session began and has not written yet is its own whole, as load reads it)
-                parts[0] = parts[0][~pd.MultiIndex.from_frame(parts[0][key]).isin(newer)
-                                    & ~parts[0]["step"].isin(list(self._begun))]
+                parts[0] = parts[0][~pd.MultiIndex.from_frame(parts[0][key]).isin(newer)]
             parts.append(pending)
         return pd.concat(parts, ignore_index=True).astype(DTYPES) if parts else empty_frame()
 
