@@ -362,14 +362,16 @@ def test_sublayer_rms_says_which_branches_it_cannot_measure():
     assert sorted(frame.site.unique()) == ["layers.0.self_attn", "layers.1.self_attn"]
 
 
-def test_sublayer_rms_has_no_rows_for_what_is_no_residual_branch():
+@pytest.mark.parametrize("d_ff", [32, 16])
+def test_sublayer_rms_has_no_rows_for_what_is_no_residual_branch(d_ff):
     """BERT adds the residual and normalises inside `attention` and `output`, and
-    `intermediate` is the feed-forward's hidden activation (d_ff wide): none is a branch, so no
-    row (their RMS read ≈ 1.000 or another width's), and the warning says why."""
+    `intermediate` is the feed-forward's hidden activation: none is a branch, so no row (their
+    RMS read ≈ 1.000 or the activation's), and the warning says why; also when d_ff is the
+    block's width (a review: `intermediate` then had a row)."""
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = transformers.BertModel(transformers.BertConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2,
-                                                           num_attention_heads=2, intermediate_size=32))
+                                                           num_attention_heads=2, intermediate_size=d_ff))
     rec = gradscope.Recorder(model, quantities=["sublayer_out_rms"])
     with pytest.warns(UserWarning) as said:
         with rec.step(0):
@@ -378,4 +380,4 @@ def test_sublayer_rms_has_no_rows_for_what_is_no_residual_branch():
     rec.close()
     assert frame[frame.quantity == "sublayer_out_rms"].empty
     text = " ".join(str(w.message) for w in said)
-    assert "['attention', 'output'] hold a norm" in text and "['intermediate'] end in a projection" in text
+    assert "['attention', 'output'] hold a norm" in text and "['intermediate'] sit beside sub-layers" in text

@@ -19,16 +19,20 @@ Recognised attention modules (by what they hold, not by class name):
 
 - separate ``q_proj``/``k_proj`` linear projections with a head count (``n_heads``,
   ``num_heads`` or ``config.num_attention_heads``): the zoo, HF Llama, Mistral, Qwen2/3,
-  Gemma. Rotary embeddings are applied when the module is called with
-  ``position_embeddings=(cos, sin)`` covering the whole head (HF's ``rotate_half`` form);
-  grouped-query heads are expanded;
-- a fused ``c_attn`` with a head count, taken as causal self-attention (HF GPT-2's
-  ``split_size``/``num_heads``; nanoGPT's ``nn.Linear`` to 3d with ``n_head``).
+  Gemma, OLMo 2. Rotary embeddings are applied when the module is called with
+  ``position_embeddings=(cos, sin)`` covering the whole head, in HF's ``rotate_half`` form
+  (checked once per class against its source file's ``apply_rotary_pos_emb``); grouped-query
+  heads are expanded; q/k norms are read before or after the heads' transpose; Gemma 2's
+  soft cap is applied for the entropy (the max logit is before it);
+- a fused ``c_attn`` with a head count, causal self-attention unless its ``is_causal`` is
+  False (HF GPT-2's ``split_size``/``num_heads``; nanoGPT's ``nn.Linear`` to 3d with ``n_head``).
 
 Not recognised (no attention rows; the Recorder warns when the quantity was asked for):
-fused ``query_key_value`` projections (GPT-NeoX, Falcon), partial rotary, x-transformers
-(rotary applied inside ``Attend``), ``nn.MultiheadAttention`` (q and k never leave its C++
-kernel), cross-attention in GPT-2 and T5's relative-bias attention.
+fused ``query_key_value`` projections (GPT-NeoX, Falcon), partial rotary, another rotary form
+(Cohere's interleaved pairs), a rotary embedding applied inside a hand-written forward
+(:func:`~gradscope.recorder.attention_modules.find_attention`), x-transformers (rotary
+applied inside ``Attend``), ``nn.MultiheadAttention`` (q and k never leave its C++ kernel),
+cross-attention in GPT-2 and T5's relative-bias attention.
 
 Masks are read by :func:`allowed_keys` (kinds and shapes there); a module's ``is_causal``
 adds the causal triangle; in self-attention a query whose own key is masked (a padded
@@ -41,153 +45,19 @@ cost is O(B·H·min(T, QUERIES)·S·d_head) on recorded steps rather than O(B·H
 
 from __future__ import annotations
 
-import inspect
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from gradscope.recorder.layout import Layout, block_width, is_norm
+from gradscope.recorder.attention_modules import Attention, find_attention, rotate_half, unread_attention
+from gradscope.recorder.layout import Layout
 from gradscope.recorder.sqnorm import squared_norm
+from gradscope.recorder.sublayer_modules import find_sublayers, sublayer_gaps
 from gradscope.recorder.hookset import HookSet
 from gradscope.recorder.taps import first_tensor, in_backward
 
 QUERIES = 64  # queries sampled per sequence for the attention signals
-
-
-@dataclass
-class Attention:
-    """One recognised attention module and how to read its q and k."""
-
-    name: str
-    module: nn.Module
-    q_src: nn.Module
-    k_src: nn.Module
-    heads: int
-    kv_heads: int
-    head_dim: int
-    scale: float
-    causal: bool  # attends causally (``is_causal``; GPT-2's c_attn): a mask passed is combined with the triangle
-    causal_known: bool  # the module says whether it is causal (an ``is_causal`` attribute, or GPT-2's fused c_attn)
-    fused: bool  # GPT-2: q, k (and v) come out of one projection
-    params: tuple[str, ...]  # names of its forward's parameters, to find the mask by name or position
-
-
-def _heads(m: nn.Module) -> int | None:
-    for attr in ("n_heads", "num_heads", "num_attention_heads", "n_head"):
-        if isinstance(getattr(m, attr, None), int):
-            return getattr(m, attr)
-    return getattr(getattr(m, "config", None), "num_attention_heads", None)
-
-
-def _fused_width(m: nn.Module) -> int | None:
-    """d of a causal self-attention with one fused q/k/v projection ``c_attn`` and a head
-    count (HF GPT-2: ``split_size``, ``num_heads``; nanoGPT: ``n_head``, ``c_attn`` an
-    ``nn.Linear`` to 3d), else None."""
-    c_attn = getattr(m, "c_attn", None)
-    if not isinstance(c_attn, nn.Module) or not isinstance(getattr(m, "num_heads", None) or getattr(m, "n_head", None), int):
-        return None
-    if isinstance(getattr(m, "split_size", None), int):
-        return m.split_size
-    out = c_attn.out_features if isinstance(c_attn, nn.Linear) else None
-    return out // 3 if out and out % 3 == 0 else None
-
-
-def find_attention(model: nn.Module) -> list[Attention]:
-    """Every attention module of ``model`` whose q and k can be read (see the module docstring)."""
-    found = []
-    for name, m in model.named_modules():
-        params = tuple(inspect.signature(m.forward).parameters)
-        q, k = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
-        if isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and _heads(m):
-            heads = _heads(m)
-            config = getattr(m, "config", None)
-            kv = getattr(m, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None) or heads
-            dim = getattr(m, "head_dim", None) or q.out_features // heads
-            scale = getattr(m, "scaling", None)
-            qn, kn = getattr(m, "q_norm", None), getattr(m, "k_norm", None)
-            found.append(Attention(
-                name, m, qn if isinstance(qn, nn.Module) else q, kn if isinstance(kn, nn.Module) else k, heads, kv,
-                dim, float(scale) if isinstance(scale, (int, float)) else dim ** -0.5,
-                bool(getattr(m, "is_causal", False)), isinstance(getattr(m, "is_causal", None), bool), False, params))
-        elif (width := _fused_width(m)) and not getattr(m, "is_cross_attention", False):
-            heads = getattr(m, "num_heads", None) or m.n_head
-            dim = width // heads
-            scale = dim ** -0.5 if getattr(m, "scale_attn_weights", True) else 1.0
-            if getattr(m, "scale_attn_by_inverse_layer_idx", False):
-                scale /= float(getattr(m, "layer_idx", 0) + 1)
-            found.append(Attention(name, m, m.c_attn, m.c_attn, heads, heads, dim, scale, True, True, True, params))
-    return found
-
-
-def unread_attention(model: nn.Module) -> list[str]:
-    """Modules that look like attention but whose q and k :func:`find_attention` cannot
-    read: GPT-2's cross-attention (q from ``q_attn``, k from the encoder's states), and
-    ``q_proj``/``k_proj`` projections without a head count it knows (``n_head``...)."""
-    out = []
-    for name, m in model.named_modules():
-        q, k = getattr(m, "q_proj", None), getattr(m, "k_proj", None)
-        if isinstance(q, nn.Linear) and isinstance(k, nn.Linear) and not _heads(m):
-            out.append(name)
-        elif _fused_width(m) and getattr(m, "is_cross_attention", False):
-            out.append(name)
-    return out
-
-
-def find_sublayers(model: nn.Module, layout: Layout) -> list[tuple[str, nn.Module]]:
-    """(name, module) of every sub-layer whose output is a residual branch: the zoo's
-    ``branch`` sites; in a foreign model's block, each child that holds parameters, has
-    children of its own and is not a norm (HF ``self_attn``/``mlp``), or the block itself
-    when it has none (x-transformers keeps attention and feed-forward as separate blocks)."""
-    if not layout.foreign:
-        return [(p.name, p.module) for p in layout.probes if p.role == "branch"]
-    return _foreign_sublayers(layout)[0]
-
-
-def sublayer_gaps(model: nn.Module, layout: Layout) -> list[str]:
-    """What :func:`find_sublayers` cannot measure as a residual branch in a foreign model's
-    blocks, one line each: parameters outside the sub-layers it found (``nn.TransformerEncoderLayer``'s
-    feed-forward is two bare ``Linear`` children), and sub-layers that hold a norm (a Post-LN
-    block whose norm is inside the sub-layer, as BERT's: its output is normalised, not the branch)."""
-    return [] if not layout.foreign else _foreign_sublayers(layout)[1]
-
-
-def _foreign_sublayers(layout: Layout) -> tuple[list[tuple[str, nn.Module]], list[str]]:
-    """(the sub-layers measured, what cannot be: one line per block). A child is no branch,
-    and is left out, when it holds a norm (its output is normalised: a Post-LN block such as
-    BERT's adds the residual inside it) or when its last ``nn.Linear`` is not as wide as the
-    block's output (BERT's ``intermediate``: the feed-forward's hidden activation)."""
-    out, gaps, seen = [], [], set()
-    for p in layout.probes:
-        if p.role != "layer_out" or id(p.module) in seen:
-            continue
-        seen.add(id(p.module))
-        prefix = p.name[: -len(".out")]
-        inner = [(n, c) for n, c in p.module.named_children()
-                 if not is_norm(c, n) and next(c.parameters(), None) is not None
-                 and any(next(g.parameters(), None) is not None for g in c.children())]
-        if not inner:
-            out.append((prefix, p.module))
-            continue
-        width = block_width(p.module)
-        normed = [n for n, c in inner if any(is_norm(g, gn) for gn, g in c.named_modules() if g is not c)]
-        narrow = [n for n, c in inner if n not in normed and width is not None
-                  and (lin := [m for m in c.modules() if isinstance(m, nn.Linear)]) and lin[-1].out_features != width]
-        out += [(f"{prefix}.{n}", c) for n, c in inner if n not in normed and n not in narrow]
-        covered = {n for n, _ in inner}
-        left = [n for n, c in p.module.named_children() if n not in covered and not is_norm(c, n)
-                and next(c.parameters(), None) is not None]
-        if left:
-            gaps.append(f"{prefix}: {left} hold parameters outside the sub-layers found ({sorted(covered)}), so "
-                        "their branch has no row")
-        if normed:
-            gaps.append(f"{prefix}: {normed} hold a norm, so their output is normalised (a Post-LN block that adds the "
-                        "residual inside them), not the residual branch: no row")
-        if narrow:
-            gaps.append(f"{prefix}: {narrow} end in a projection narrower or wider than the block's output "
-                        f"({width}), so they are no residual branch: no row")
-    return out, gaps
 
 
 def vocab_sizes(model: nn.Module) -> set[int]:
@@ -255,9 +125,21 @@ def allowed_keys(mask: torch.Tensor | None, B: int, T: int, S: int, idx: torch.T
     return ok & triangle() if causal else ok
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
+def _heads_first(q: torch.Tensor, q_in: torch.Tensor | None, heads: int, T) -> bool | None:
+    """Whether a 4-D q (a q_norm's output) is (B, H, T, dh) rather than (B, T, H, dh): by its
+    shape when the query count ``T`` (the attention's input's) tells, else by its norm's input,
+    whose head dimension is the inner one (stride dh) when it is a view of the projection
+    (Qwen 3 norms before the transpose, Gemma 3 after it); None when neither tells."""
+    a, b = q.shape[1], q.shape[2]
+    if T is not None and (a, b) == (T, heads) and (b, a) != (T, heads):
+        return False
+    if T is not None and (a, b) == (heads, T) and (b, a) != (heads, T):
+        return True
+    if a == b == 1:
+        return False  # (one token and one head: both layouts are the same)
+    if isinstance(q_in, torch.Tensor) and q_in.dim() == 4 and q_in.shape == q.shape and q_in.stride(1) != q_in.stride(2):
+        return q_in.stride(1) < q_in.stride(2)
+    return None
 
 
 class Signals:
@@ -345,7 +227,8 @@ class Signals:
             other = next((named[n] for n in KV_ARGS if isinstance(named.get(n), torch.Tensor)), None)
             self._calls[i] = {"mask": mask if isinstance(mask, torch.Tensor) else None,
                               "self": other is None or other is first,  # (keys and values from its own input)
-                              "rope": rope if isinstance(rope, (tuple, list)) and len(rope) == 2 else None}
+                              "rope": rope if isinstance(rope, (tuple, list)) and len(rope) == 2 else None,
+                              "T": first.shape[1] if isinstance(first, torch.Tensor) and first.dim() == 3 else None}
             return None
 
         return hook
@@ -375,6 +258,13 @@ class Signals:
                 return None
             projections = isinstance(a.q_src, nn.Linear) and isinstance(a.k_src, nn.Linear)  # (not q_norm/k_norm)
             own = not projections or call.get("q_in") is call.get("k_in")
+            if q.dim() == 4:  # (q_norm/k_norm's output: (B, T, H, dh), or (B, H, T, dh) when normed after the transpose)
+                heads_first = _heads_first(q, call.get("q_in"), a.heads, call["T"])
+                if heads_first is None:
+                    self.unread[i] = "the layout of its normalised q and k (batch, tokens, heads, head dim) is not known"
+                    return None
+                if heads_first:  # (Gemma 3: q_norm after .transpose(1, 2))
+                    q, k = q.transpose(1, 2), k.transpose(1, 2)
             self._attention_stats(i, a, self.attn[i], q, k, call["mask"], call["rope"], a.fused or (call["self"] and own))
             return None
 
@@ -384,6 +274,17 @@ class Signals:
                          mask: torch.Tensor | None, rope, self_attention: bool) -> None:
         B, T = q.shape[0], q.shape[1]
         S = k.shape[1]
+        if a.rotary_inside:
+            self.unread[i] = ("its forward applies a rotary embedding of its own (not given as position_embeddings=(cos, "
+                              "sin)), so q·k from its projections is not what it computes")
+            return
+        if rope is not None and a.rotary_form is not None:
+            self.unread[i] = a.rotary_form
+            return
+        if q.numel() != B * T * a.heads * a.head_dim or k.numel() != B * S * a.kv_heads * a.head_dim:
+            self.unread[i] = (f"its q {tuple(q.shape)} and k {tuple(k.shape)} do not split into {a.heads} and "
+                              f"{a.kv_heads} heads of {a.head_dim}")
+            return
         q = q.reshape(B, T, a.heads, a.head_dim)
         k = k.reshape(B, S, a.kv_heads, a.head_dim)
         n = min(T, QUERIES)
@@ -396,8 +297,8 @@ class Signals:
                 self.unread[i] = "its rotary embeddings cover part of the head only (partial rotary)"
                 return
             cos, sin = cos.float().unsqueeze(1), sin.float().unsqueeze(1)  # (B, 1, T, dh)
-            q = q * cos[:, :, idx] + _rotate_half(q) * sin[:, :, idx]
-            k = k * cos + _rotate_half(k) * sin
+            q = q * cos[:, :, idx] + rotate_half(q) * sin[:, :, idx]
+            k = k * cos + rotate_half(k) * sin
         if a.kv_heads != a.heads:
             k = k.repeat_interleave(a.heads // a.kv_heads, dim=1)
         logits = (q @ k.transpose(-1, -2)) * a.scale  # (B, H, n, S)
@@ -413,8 +314,10 @@ class Signals:
             allowed = allowed & allowed[..., torch.arange(idx.numel(), device=idx.device), idx].unsqueeze(-1)
         allowed = allowed.expand(logits.shape)
         masked = logits.masked_fill(~allowed, -math.inf)
-        top = masked.amax(dim=(0, 2, 3))  # (H,)
+        top = masked.amax(dim=(0, 2, 3))  # (H,): the logit before any soft cap
         valid = allowed.any(dim=-1)  # (B, H, n): queries with at least one allowed key
+        if a.softcap is not None:  # (Gemma 2: its softmax sees cap·tanh(logit/cap))
+            masked = (torch.tanh(logits / a.softcap) * a.softcap).masked_fill(~allowed, -math.inf)
         p = torch.softmax(masked, dim=-1).nan_to_num(0.0)
         entropy = torch.special.entr(p).sum(dim=-1)  # (B, H, n)
         buf[:, 0] = torch.maximum(buf[:, 0], top)
