@@ -296,3 +296,20 @@ def test_the_review_s_contract_mistakes_are_named_where_they_are_made():
         with rec.step(0):
             _loss(model, idx).backward()
     rec.close()
+
+
+def test_add_many_with_the_wrong_count_names_the_quantity():
+    """A review: the error named neither the quantity nor its ``collect``."""
+    class GroupCount(gradscope.Quantity):
+        name = "group_count"
+
+        def collect(self, ctx):
+            keys = ctx.groups.keys(self.name)
+            ctx.add_many(keys, torch.zeros(len(keys) + 2))
+
+    model = NanoGPT()
+    rec = gradscope.Recorder(model, quantities=[GroupCount()])
+    with pytest.raises(ValueError, match=r"GroupCount.collect: StepContext.add_many: \d+ keys but \d+ values"):
+        with rec.step(0):
+            _loss(model, torch.randint(0, 32, (2, 7))).backward()
+    rec.close()

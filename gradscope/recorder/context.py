@@ -87,7 +87,9 @@ class StepContext:
         """A 1-d tensor of values, one per key."""
         self._own({k.quantity for k in keys})
         if values.numel() != len(keys):
-            raise ValueError(f"StepContext.add_many: {len(keys)} keys but {values.numel()} values")
+            who = f"{type(self.current).__name__}.collect: " if self.current is not None else ""
+            raise ValueError(f"{who}StepContext.add_many: {len(keys)} keys but {values.numel()} values (one value per "
+                             f"key, of quantity {sorted({k.quantity for k in keys})})")
         self.buffer.add_many(keys, values)
 
     def add_matrix(self, stack: str, site: str, quantity: str, matrix: torch.Tensor) -> None:
