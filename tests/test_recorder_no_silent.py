@@ -175,23 +175,27 @@ def test_a_stack_that_changes_width_warns_instead_of_a_silent_gap():
     assert (rec.frame().quantity == "cosine").any()  # the encoder's own stack still has its rows
 
 
-@pytest.mark.parametrize("logged", [False, True])
-def test_lr_asked_for_without_an_optimizer_warns_unless_logged(logged):
+@pytest.mark.parametrize("logged", [None, "inside", "after"])
+@pytest.mark.parametrize("steps", [1, 2])
+def test_lr_asked_for_without_an_optimizer_warns_unless_logged(logged, steps):
     """``lr`` named in ``quantities`` with no optimizer and no ``rec.log("lr", ...)`` has no
-    rows: a warning says why (it was silent, while update_ratio and grad_rms_over_eps warn)."""
+    rows: a warning says why (it was silent, while update_ratio and grad_rms_over_eps warn);
+    a value logged inside the step or after it (``step=``) has rows, and no warning."""
     model = Net()
     rec = gradscope.Recorder(model, quantities=["lr", "param_grad_norm"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        for step in range(2):
+        for step in range(steps):
             with rec.step(step):
                 model(torch.randn(2, 3, 8)).square().mean().backward()
-                if logged:
+                if logged == "inside":
                     rec.log("lr", 0.1)
-    rec.close()
+            if logged == "after":
+                rec.log("lr", 0.1, step=step)
+        rec.close()
     said = [str(w.message) for w in caught if "lr is read from the optimizer" in str(w.message)]
     lr = rec.frame().query("quantity == 'lr'")
     if logged:
-        assert not said and lr.value.tolist() == [0.1, 0.1]
+        assert not said and lr.value.tolist() == [0.1] * steps
     else:
         assert len(said) == 1 and lr.empty

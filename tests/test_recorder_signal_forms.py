@@ -163,3 +163,62 @@ def test_sublayer_rms_of_an_attention_with_q_and_k_norms_is_its_branch():
     rows = _rows(frame, "sublayer_out_rms").set_index("site").value
     for i in range(2):
         assert rows[f"model.layers.{i}.self_attn"] == pytest.approx(outs[i].square().mean().sqrt().item(), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["stablelm", "sandwich"])
+def test_sublayer_rms_keeps_branches_of_blocks_with_norms_of_their_own(kind):
+    """A block with norms of its own adds its residuals itself: norms inside its children (StableLM's
+    per-head q/k LayerNorms, a sandwich norm ending an mlp) do not make them Post-LN sub-layers (a
+    review: the rule for BERT dropped these rows)."""
+    torch.manual_seed(0)
+    if kind == "stablelm":
+        model = transformers.StableLmForCausalLM(transformers.StableLmConfig(
+            vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, qk_layernorm=True))
+        layers, names = model.model.layers, ("self_attn", "mlp")
+        run = lambda: model(torch.randint(0, 50, (2, 6))).logits.float().logsumexp(-1).mean()  # noqa: E731
+    else:
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.ln1, self.ln2 = torch.nn.LayerNorm(16), torch.nn.LayerNorm(16)
+                self.attn = _NanoAttention(16, 2)
+                self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16),
+                                               torch.nn.LayerNorm(16))  # (a sandwich norm ending the branch)
+
+            def forward(self, x):
+                x = x + self.attn(self.ln1(x))
+                return x + self.mlp(self.ln2(x))
+        model = torch.nn.Sequential(Block(), Block())
+        layers, names = model, ("attn", "mlp")
+        run = lambda: model(torch.randn(2, 5, 16)).square().mean()  # noqa: E731
+    outs = {}
+    handles = [getattr(layer, n).register_forward_hook(
+        lambda m, a, out, key=(i, n): outs.__setitem__(key, (out[0] if isinstance(out, tuple) else out).detach().double()))
+        for i, layer in enumerate(layers) for n in names]
+    rec = gradscope.Recorder(model, quantities=["sublayer_out_rms"])
+    with rec.step(0):
+        run().backward()
+    rec.close()
+    for h in handles:
+        h.remove()
+    rows = _rows(rec.frame(), "sublayer_out_rms").set_index("site").value
+    prefix = "model.layers." if kind == "stablelm" else ""
+    for (i, n), out in outs.items():
+        assert rows[f"{prefix}{i}.{n}"] == pytest.approx(out.square().mean().sqrt().item(), rel=1e-5)
+
+
+class _SaysNoRope(_NanoAttention):
+    def forward(self, x):
+        """Plain causal attention: no RoPE, no rotary embedding (the words are in a docstring only)."""
+        return super().forward(x)  # rotary: none
+
+
+def test_rotary_words_in_a_docstring_or_comment_are_no_rotary():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(_SaysNoRope(16, 2), _SaysNoRope(16, 2))
+    rec = gradscope.Recorder(model, quantities=["attn_entropy"])
+    with rec.step(0):
+        model(torch.randn(2, 5, 16)).sum().backward()
+    rec.close()
+    assert len(_rows(rec.frame(), "attn_entropy")) == 2 * 3  # (2 heads and the layer's mean, per layer)

@@ -305,3 +305,29 @@ def test_a_resumed_run_that_runs_a_replayed_step_unrecorded_owns_it(tmp_path, re
     assert 17 not in set(loaded.step) and "replay" not in set(loaded.quantity)
     assert 17 not in set(resumed.frame().step)
     assert {0, 5, 10, 15} <= set(loaded.step)  # (the abandoned run's steps before the resume stay)
+
+
+def test_steps_run_without_rows_wait_for_the_end_and_are_kept_as_ranges(tmp_path):
+    """A checkpoint's flush with nothing recorded since the last part writes no part (a review:
+    every checkpoint wrote one of no rows); ``close()`` writes the one that says which steps ran,
+    its steps kept as [first, last] ranges (a list of every step made parts megabytes)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from gradscope.table.parquet import BEGUN_KEY
+
+    model = _model()
+    x = torch.randn(4, 3, 8)
+    rec = gradscope.Recorder(model, every=100, log_dir=tmp_path / "run")
+    for step in range(1, 60):
+        with rec.step(step):
+            model(x).square().mean().backward()
+        if step % 10 == 0:
+            rec.state_dict()  # (flushes the sink)
+    assert not list((tmp_path / "run").glob("*.parquet"))
+    rec.close()
+    (part,) = (tmp_path / "run").glob("*.parquet")
+    table = pq.read_table(part)
+    assert table.num_rows == 0 and json.loads(table.schema.metadata[BEGUN_KEY])["ranges"] == [[1, 59]]
+    assert gradscope.load(tmp_path / "run").empty

@@ -289,3 +289,24 @@ def test_the_watch_norm_under_a_grad_scaler_is_the_unscaled_norm_clipping_uses()
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a.grad, b.grad)
     rec.close()
+
+
+def test_the_watch_norm_when_the_closure_unscales_is_not_divided_again():
+    """``scaler.unscale_(opt)`` inside the closure: the gradients are unscaled when the watch
+    reads them, so its norm is theirs (a review: it was divided by the scale a second time)."""
+    model = zoo(dropout=0.0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    rec = gradscope.Recorder(model, optimizer=opt, scaler=scaler, every=1000, on_spike="replay")
+    (tokens,) = batches(n=1)[0]
+
+    def step():
+        out = model(tokens[:, :-1])
+        loss = F.cross_entropy(out.flatten(0, 1), tokens[:, 1:].flatten())
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        return loss.detach()
+
+    rec.run(0, step)
+    assert torch.equal(rec.grad_norm, torch.nn.utils.get_total_norm([p.grad for p in model.parameters()]))
+    rec.close()

@@ -5,8 +5,11 @@ attention-like modules they cannot read."""
 from __future__ import annotations
 
 import inspect
+import io
 import re
 import sys
+import textwrap
+import tokenize
 from dataclasses import dataclass
 
 import torch
@@ -113,10 +116,10 @@ def _rotary_form(m: nn.Module, head_dim: int) -> str | None:
     apply = getattr(sys.modules.get(cls.__module__), "apply_rotary_pos_emb", None)
     verdict = None
     if callable(apply) and head_dim % 2 == 0:
-        g = torch.Generator().manual_seed(0)
-        q, k = (torch.randn(1, 2, 3, head_dim, generator=g) for _ in range(2))  # (B, H, T, dh)
-        cos, sin = (torch.randn(1, 3, head_dim, generator=g) for _ in range(2))  # (B, T, dh)
         try:
+            g = torch.Generator("cpu").manual_seed(0)  # (its own: the global RNG is never drawn from)
+            q, k = (torch.randn(1, 2, 3, head_dim, generator=g, device="cpu") for _ in range(2))  # (B, H, T, dh)
+            cos, sin = (torch.randn(1, 3, head_dim, generator=g, device="cpu") for _ in range(2))  # (B, T, dh)
             with torch.no_grad():
                 q2, k2 = apply(q, k, cos, sin)[:2]
             same = all(isinstance(t, torch.Tensor) and t.shape == x.shape
@@ -131,7 +134,7 @@ def _rotary_form(m: nn.Module, head_dim: int) -> str | None:
     return verdict
 
 
-_ROTARY_WORDS = re.compile(r"rotary|rope\b|rotate|freqs?_cis|apply_rotary|\bsin\(|\bcos\(")
+_ROTARY_WORDS = re.compile(r"rotary|rope\b|rotate|freqs?_cis|apply_rotary|\bsin\s*\(|\bcos\s*\(")
 
 
 def _rotary_inside(m: nn.Module, params: tuple[str, ...]) -> bool:
@@ -146,10 +149,12 @@ def _rotary_inside(m: nn.Module, params: tuple[str, ...]) -> bool:
     if any(_ROTARY_WORDS.search(n.lower()) for n, _ in m.named_children()):
         return True
     try:
-        source = inspect.getsource(type(m).forward)
-    except (OSError, TypeError):
+        source = textwrap.dedent(inspect.getsource(type(m).forward))
+        tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+        code = " ".join(t.string for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING))
+    except (OSError, TypeError, SyntaxError, tokenize.TokenError):
         return False
-    return bool(_ROTARY_WORDS.search(source.lower()))
+    return bool(_ROTARY_WORDS.search(code.lower()))  # (its code only: a docstring saying "no RoPE" is no rotary)
 
 
 def unread_attention(model: nn.Module) -> list[str]:

@@ -52,7 +52,7 @@ from gradscope.recorder.store import StepBuffer
 from gradscope.recorder.update_ratio import UpdateRatioHooks
 from gradscope.recorder.wrappers import (DonationOff, DynamoSettings, checked_arguments, dist_rank, loggable,
                                          step_index, token_masks, unwrap)
-from gradscope.recorder.scaler_watch import ScalerWatch, grad_scale
+from gradscope.recorder.scaler_watch import ScalerWatch, grad_scale, params_unscaled
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table.keys import model_key
 from gradscope.table.rows import RowStore
@@ -171,6 +171,7 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
         self._updates = UpdateRatioHooks(self.groups, self._late.rows, self._checks.warn_once)
         self._closed = self._closed_inside = False
         self._lr_from_optimizer = optimizer is not None
+        self._lr_logged, self._lr_checks = False, 0  # (a loop that logs lr itself: StepEnd._lr_unlogged)
         self._watching = watch is not None  # (the optimizer's step hooks then also tell Recorder.run a step inside it)
         if optimizer is not None:
             self.attach_optimizer(optimizer)
@@ -323,6 +324,7 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
         if isinstance(value, np.ndarray):
             value = value.item()  # (one element: np.array([2.5]))
         key = model_key(loggable(quantity, value, lr_from_optimizer=self._lr_from_optimizer))
+        self._lr_logged = self._lr_logged or quantity == "lr"
         if self._buffer is not None and step in (None, self._step):
             if isinstance(value, torch.Tensor):
                 self._buffer.add(key, value.detach().float().reshape(()))
@@ -340,7 +342,9 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
         return self.groups.device()
 
     def _grad_scale(self) -> torch.Tensor | None:
-        return grad_scale(self.scaler)
+        """The scale the watch divides the gradients' norm by: None once ``scaler.unscale_``
+        ran (inside the closure, say), as the gradients are unscaled then."""
+        return None if params_unscaled(self.scaler) else grad_scale(self.scaler)
 
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer) and flushes and closes the sinks;
@@ -350,6 +354,8 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
                           "close the recorder after the step ends", stacklevel=2)
             self.abort_step()
             self._closed_inside = True  # (the step's own end then does nothing)
+        if self._lr_checks and self.optimizer is None:
+            self._lr_unlogged(closing=True)
         self._release_settings()  # once, whatever calls it first
         self._capture.remove()
         self._updates.remove()

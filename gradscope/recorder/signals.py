@@ -228,6 +228,7 @@ class Signals:
             self._calls[i] = {"mask": mask if isinstance(mask, torch.Tensor) else None,
                               "self": other is None or other is first,  # (keys and values from its own input)
                               "rope": rope if isinstance(rope, (tuple, list)) and len(rope) == 2 else None,
+                              "rope_other": rope is not None and not (isinstance(rope, (tuple, list)) and len(rope) == 2),
                               "T": first.shape[1] if isinstance(first, torch.Tensor) and first.dim() == 3 else None}
             return None
 
@@ -265,6 +266,9 @@ class Signals:
                     return None
                 if heads_first:  # (Gemma 3: q_norm after .transpose(1, 2))
                     q, k = q.transpose(1, 2), k.transpose(1, 2)
+            if call["rope_other"]:  # (Llama 4 passes one complex freqs_cis tensor)
+                self.unread[i] = "its position_embeddings are not a (cos, sin) pair, so its rotary form is not known"
+                return None
             self._attention_stats(i, a, self.attn[i], q, k, call["mask"], call["rope"], a.fused or (call["self"] and own))
             return None
 

@@ -33,11 +33,8 @@ class StepEnd:
                     if quantity.collect(ctx) is not None:
                         raise TypeError(f"{type(quantity).__name__}.collect returned a value, which records nothing: "
                                         "add values with ctx.add(key, value), ctx.add_many or ctx.add_model_value")
-            if "lr" in wants and self.optimizer is None and "lr" in self._named and "lr" not in self._checks.warned \
-                    and not any(k.quantity == "lr" for k in buf.keys) and not any(k.quantity == "lr" for k, _ in buf.host):
-                self._checks.warn_once("lr", "lr is read from the optimizer: give the Recorder the optimizer "
-                                       "(Recorder(model, optimizer=opt), or rec.attach_optimizer(opt)) or log it yourself "
-                                       "with rec.log('lr', value); until then it has no rows")
+            if "lr" in wants and self.optimizer is None and "lr" in self._named:
+                self._lr_unlogged()
             buf.add_block("snapshots", [t for g, f, _, _ in snapshots for t in (g, f)], (len(snapshots), -1))
             values = buf.transfer()  # the one host transfer of this step
         host = (values, [(m, r) for _, _, m, r in snapshots], wants, calls,
@@ -59,3 +56,15 @@ class StepEnd:
         self._checks.after(step, data, calls, wants)
         self._checks.merged(step, [n for n in self._quantities if n in wants and self._quantities[n].merged_away(data)])
         return keys, values
+
+    def _lr_unlogged(self, *, closing: bool = False) -> None:
+        """Warns (once) that ``lr``, asked for, has no rows: no optimizer, and the loop never
+        logged it. Said at the second recorded step's end or at ``close()``, so that a value
+        logged after the first step (``rec.log("lr", v, step=s)``) counts."""
+        if self._lr_logged or "lr" in self._checks.warned:
+            return
+        self._lr_checks += 1
+        if self._lr_checks >= 2 or closing:
+            self._checks.warn_once("lr", "lr is read from the optimizer: give the Recorder the optimizer "
+                                   "(Recorder(model, optimizer=opt), or rec.attach_optimizer(opt)) or log it yourself "
+                                   "with rec.log('lr', value); until then it has no rows")

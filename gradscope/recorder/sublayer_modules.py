@@ -33,12 +33,12 @@ def sublayer_gaps(model: nn.Module, layout: Layout) -> list[str]:
 
 
 def _foreign_sublayers(layout: Layout) -> tuple[list[tuple[str, nn.Module]], list[str]]:
-    """(the sub-layers measured, what cannot be: one line per block). A child is no branch,
-    and is left out, when it holds a norm other than a query/key norm (:data:`QK_NORMS`: its
-    output is normalised, a Post-LN block such as BERT's adding the residual inside it), when
-    it sits beside such children (it feeds one: BERT's ``intermediate``, whatever its width),
-    or when its last ``nn.Linear`` is not as wide as the block's output (a feed-forward's
-    hidden activation)."""
+    """(the sub-layers measured, what cannot be: one line per block). In a block without norms
+    of its own, a child is no branch, and is left out, when it holds a norm other than a
+    query/key norm (:data:`QK_NORMS`: its output is normalised, a Post-LN block such as BERT's
+    adding the residual inside it), or when it sits beside such children (it feeds one: BERT's
+    ``intermediate``, whatever its width). In any block, a child whose last ``nn.Linear`` is not
+    as wide as the block's output is left out too (a feed-forward's hidden activation)."""
     out, gaps, seen = [], [], set()
     for p in layout.probes:
         if p.role != "layer_out" or id(p.module) in seen:
@@ -52,8 +52,12 @@ def _foreign_sublayers(layout: Layout) -> tuple[list[tuple[str, nn.Module]], lis
             out.append((prefix, p.module))
             continue
         width = block_width(p.module)
-        normed = [n for n, c in inner if any(is_norm(g, gn) and gn.rpartition(".")[2] not in QK_NORMS
-                                             for gn, g in c.named_modules() if g is not c)]
+        # (a block with norms of its own adds its residuals itself: norms inside its children are
+        # theirs, as StableLM's or DeepSeek's q/kv norms, or a sandwich norm inside an mlp)
+        own_norms = any(is_norm(c, n) for n, c in p.module.named_children())
+        normed = [] if own_norms else [
+            n for n, c in inner if any(is_norm(g, gn) and not QK_NORMS & set(gn.split("."))
+                                       for gn, g in c.named_modules() if g is not c)]
         # (beside a sub-layer that adds the residual inside it, the others feed one: BERT's intermediate)
         feeding = [n for n, _ in inner if n not in normed] if normed else []
         narrow = [n for n, c in inner if n not in normed and n not in feeding and width is not None

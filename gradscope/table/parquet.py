@@ -32,10 +32,11 @@ SESSION_KEY = b"gradscope.session"
 and a random suffix): a run resumed into its ``log_dir`` is a later session."""
 
 BEGUN_KEY = b"gradscope.begun"
-"""Part-file metadata, JSON ``{"run", "rank", "steps"}``: the steps whose recording began in
-the part's session since its previous part (the step still open when a checkpoint flushes
-too); for each (run, rank), the newest session that began a step owns it (a resumed run's
-step replaces the abandoned run's rows of that step, whatever their quantities)."""
+"""Part-file metadata, JSON ``{"run", "rank", "ranges"}`` (older parts: ``"steps"``, a list):
+the steps, as ``[first, last]`` runs, that the part's session began since its previous part,
+recorded or not (the step still open when a checkpoint flushes too); for each (run, rank),
+the newest session that began a step owns it (a resumed run's step replaces the abandoned
+run's rows of that step, whatever their quantities)."""
 
 SCHEMA: pa.Schema = pa.Schema.from_pandas(empty_frame(), preserve_index=False).remove_metadata()
 """The pyarrow schema of every part file: the table's columns (docs/table.md) with the types pandas gives
