@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import gradscope
-from test_recorder_signals import _head_values, _NanoAttention, _rows, _stats
+from test_recorder_signals import _head_values, _NanoAttention, _rows, _stats, nano_attention_frame
 
 transformers = pytest.importorskip("transformers")
 
@@ -134,11 +134,7 @@ def test_a_fused_c_attn_that_says_it_is_not_causal_is_read_bidirectionally():
     for m in model:
         m.is_causal = False  # (its forward still attends causally: only what it says is read)
     x = torch.randn(3, 7, 16)
-    rec = gradscope.Recorder(model, quantities=["attn_logit_max", "attn_entropy"])
-    with rec.step(0):
-        model(x).sum().backward()
-    frame = rec.frame()
-    rec.close()
+    frame = nano_attention_frame(model, x)
     q, k, _ = model[0].c_attn(x).detach().split(16, dim=-1)
     q, k = (t.view(3, 7, 2, 8).transpose(1, 2) for t in (q, k))
     top, entropy = _stats(q @ k.transpose(-1, -2) / math.sqrt(8), torch.ones(3, 2, 7, 7, dtype=torch.bool))

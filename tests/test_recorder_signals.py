@@ -291,16 +291,21 @@ class _NanoAttention(torch.nn.Module):
                            .transpose(1, 2).reshape(B, T, C))
 
 
+def nano_attention_frame(model: torch.nn.Module, x: torch.Tensor):
+    """The attention signals of one recorded step of ``model`` (nanoGPT-style blocks) on ``x``."""
+    rec = gradscope.Recorder(model, quantities=["attn_logit_max", "attn_entropy"])
+    with rec.step(0):
+        model(x).sum().backward()
+    rec.close()
+    return rec.frame()
+
+
 def test_nanogpt_style_attention_logits_equal_a_recomputation_from_its_c_attn():
     torch.manual_seed(0)
     model = torch.nn.Sequential(_NanoAttention(16, 2), _NanoAttention(16, 2))
     reference = copy.deepcopy(model)
     x = torch.randn(3, 7, 16)
-    rec = gradscope.Recorder(model, quantities=["attn_logit_max", "attn_entropy"])
-    with rec.step(0):
-        model(x).sum().backward()
-    frame = rec.frame()
-    rec.close()
+    frame = nano_attention_frame(model, x)
     h = x
     for i, m in enumerate(reference):
         q, k, _ = m.c_attn(h).detach().split(16, dim=-1)

@@ -4,6 +4,7 @@ attention-like modules they cannot read."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import io
 import re
@@ -148,13 +149,20 @@ def _rotary_inside(m: nn.Module, params: tuple[str, ...]) -> bool:
         return True
     if any(_ROTARY_WORDS.search(n.lower()) for n, _ in m.named_children()):
         return True
+    return _forward_names_rotary(type(m))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_names_rotary(cls: type) -> bool:
+    """Whether the code of ``cls.forward`` (not its docstrings or comments: a docstring saying
+    "no RoPE" is no rotary) names a rotary embedding; read once per class."""
     try:
-        source = textwrap.dedent(inspect.getsource(type(m).forward))
+        source = textwrap.dedent(inspect.getsource(cls.forward))
         tokens = tokenize.generate_tokens(io.StringIO(source).readline)
         code = " ".join(t.string for t in tokens if t.type not in (tokenize.COMMENT, tokenize.STRING))
     except (OSError, TypeError, SyntaxError, tokenize.TokenError):
         return False
-    return bool(_ROTARY_WORDS.search(code.lower()))  # (its code only: a docstring saying "no RoPE" is no rotary)
+    return bool(_ROTARY_WORDS.search(code.lower()))
 
 
 def unread_attention(model: nn.Module) -> list[str]:
