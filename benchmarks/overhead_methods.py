@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 import gradscope
-from gradscope.recorder.sqnorm import fp64_squared_norms, squared_norm, squared_norms
+from gradscope.recorder.numerics.squared_norms import fp64_squared_norms, squared_norm, squared_norms
 
 BETAS = (0.9, 0.98)
 
@@ -157,10 +157,10 @@ def naive_item(model, opt, batch, compiled: bool) -> Runner:
 
 def bare_site_norms(with_params: bool = False) -> Callable[..., Runner]:
     """The floor: a forward hook per distinct site value and a tensor hook per gradient, each
-    taking one squared norm (:func:`gradscope.recorder.sqnorm.squared_norm`, the recorder's
+    taking one squared norm (:func:`gradscope.recorder.numerics.squared_norms.squared_norm`, the recorder's
     own reduction) into a list, with no bookkeeping at all: what any recorder of these
     quantities has to do. ``with_params``: also the squared norm of every parameter gradient
-    (:func:`~gradscope.recorder.sqnorm.squared_norms`), so the reductions are those of
+    (:func:`~gradscope.recorder.numerics.squared_norms.squared_norms`), so the reductions are those of
     gradscope's default quantities. Eager only: its hooks are added and removed every step."""
 
     def setup(model, opt, batch, compiled: bool) -> Runner:
@@ -203,7 +203,7 @@ def simple_site_hooks(own_gradients: bool = False) -> Callable[..., Runner]:
     identity, so its input is its value), notes which tensor each site call received and
     keeps that tensor's gradient by ``retain_grad`` (a C++ hook: no Python in backward).
     After backward, under ``no_grad``: the fp64 squared norms of the values, of their
-    gradients and of the parameters' gradients (:func:`~gradscope.recorder.sqnorm.fp64_squared_norms`:
+    gradients and of the parameters' gradients (:func:`~gradscope.recorder.numerics.squared_norms.fp64_squared_norms`:
     one stack or a few concatenations each, no reduction per tensor), and one host transfer.
     No books (no micro-steps, checks or rows), no arming, no norm fits.
 

@@ -3,7 +3,7 @@
 - ``figures/`` (PNG and the generated ``*.md``) and ``notebooks/*.ipynb`` are added to the
   site from where they live; nothing is copied into ``docs/``.
 - ``<!-- quantities -->`` in a page becomes the quantity reference, generated from
-  :data:`gradscope.recorder.quantities.REGISTRY` by :func:`quantity_reference`.
+  :data:`gradscope.recorder.quantities.registry.REGISTRY` by :func:`quantity_reference`.
 - Sphinx roles left in docstrings (``:class:`x` ``, ``:func:``...) lose the role prefix in the
   rendered API pages, so the reader sees ``x`` as code.
 - ``<!-- results -->`` becomes ``benchmarks/RESULTS.md`` without its title, so the Benchmarks
@@ -40,7 +40,7 @@ def on_files(files, config):
 
 def quantity_reference() -> str:
     """The quantity reference: the registry's table, then one section per quantity."""
-    from gradscope.recorder.quantities import REGISTRY, reference
+    from gradscope.recorder.quantities.registry import REGISTRY, reference
 
     parts = [reference()]
     for name, q in REGISTRY.items():

@@ -13,10 +13,10 @@ from gradscope.config import ModelConfig
 from gradscope.models import INITS, VARIANTS, Site, SiteNorm, admin_init, build_model
 from gradscope.io import load, save_frame
 from gradscope.recorder import Recorder, RecorderOptions, record, snapshot
-from gradscope.recorder.context import StepContext
-from gradscope.recorder.quantities import QUANTITY_NAMES as QUANTITIES
-from gradscope.recorder.quantity import Quantity
-from gradscope.recorder.layout import site_names
+from gradscope.recorder.quantities.context import StepContext
+from gradscope.recorder.quantities.registry import QUANTITY_NAMES as QUANTITIES
+from gradscope.recorder.quantities.quantity import Quantity
+from gradscope.recorder.discovery.layout import site_names
 from gradscope.table import COLUMNS
 
 __all__ = [

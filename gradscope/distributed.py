@@ -45,9 +45,10 @@ from __future__ import annotations
 import numpy as np
 import pandas as pd
 
-from gradscope.recorder.collectives import gather_frame, reduce_squared_norms  # noqa: F401  (public here)
-from gradscope.recorder.quantities import REGISTRY
-from gradscope.recorder.quantity import COMBINE, Quantity, combine
+from gradscope.recorder.numerics.collectives import gather_frame, reduce_squared_norms  # noqa: F401  (public here)
+from gradscope.recorder.quantities.registry import REGISTRY
+from gradscope.recorder.quantities.combine import COMBINE, combine
+from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.table import DTYPES, concat, empty_frame
 
 __all__ = ["gather_frame", "global_act_grad_norms", "global_rows", "reduce_squared_norms"]

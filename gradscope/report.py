@@ -27,7 +27,7 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.dataset as ds
 
-from gradscope.recorder.spike import SIGMAS, WINDOW, find_spikes, too_few_for_spikes
+from gradscope.recorder.quantities.spike import SIGMAS, WINDOW, find_spikes, too_few_for_spikes
 from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, GRAD_RMS_OVER_EPS_LOW
 from gradscope.table import PARAM_ROLES
 from gradscope.sinks.parquet import read

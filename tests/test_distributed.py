@@ -193,7 +193,7 @@ def _placement_norms(rank: int) -> dict[str, float]:
     from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
     from gradscope.distributed import reduce_squared_norms
-    from gradscope.recorder.params import local
+    from gradscope.recorder.capture.params import local
 
     mesh = init_device_mesh("cpu", (WORLD,))
     t = placement_tensors(rank)

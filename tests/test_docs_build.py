@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from gradscope.recorder.quantities import REGISTRY
+from gradscope.recorder.quantities.registry import REGISTRY
 
 ROOT = Path(__file__).resolve().parents[1]
 

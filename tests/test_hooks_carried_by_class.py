@@ -16,7 +16,7 @@ from torch import nn
 from twin_models import Twin, TwinBlock
 
 import gradscope
-from gradscope.recorder.carrying import is_carrying
+from gradscope.recorder.capture.carrying import is_carrying
 
 
 def _frame(rec) -> dict:
@@ -159,7 +159,7 @@ def test_a_module_carried_in_consecutive_eager_steps_is_carried_again_without_it
     """With no hook registered by anyone else, a module carried in one eager recorded step
     is carried in the next without its hook dicts being read again, although the step's
     eager node hooks took handle ids (the recorder counts its own)."""
-    import gradscope.recorder.hookset as hookset
+    import gradscope.recorder.capture.hookset as hookset
 
     torch.manual_seed(6)
     model, x = Twin(), torch.randn(2, 3, 8)

@@ -14,7 +14,7 @@ from matplotlib.colors import LogNorm
 
 import gradscope
 from gradscope.plots.over_time import layer_heatmap, layer_series
-from gradscope.recorder.spike import SpikeDetector, find_spikes
+from gradscope.recorder.quantities.spike import SpikeDetector, find_spikes
 from gradscope.table import make_frame
 
 SITES = [f"decoder.layers.{i}.out" for i in range(3)]

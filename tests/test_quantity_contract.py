@@ -14,8 +14,8 @@ import pytest
 
 import gradscope
 from gradscope import distributed
-from gradscope.recorder import spike
-from gradscope.recorder.quantities import PRESETS, REGISTRY, reference
+from gradscope.recorder.quantities import spike
+from gradscope.recorder.quantities.registry import PRESETS, REGISTRY, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gradscope"

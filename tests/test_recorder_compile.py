@@ -82,7 +82,7 @@ def test_recorder_made_after_the_compiled_model_ran_records(monkeypatch):
     """A model compiled and run before the Recorder existed (a notebook's order): its armed
     modules have classes of their own, so Dynamo traces it again with the hooks; the numbers
     are autograd's, and after close() the graph traced first runs again."""
-    from gradscope.recorder.wrappers import DynamoSettings
+    from gradscope.recorder.capture.compile_settings import DynamoSettings
 
     monkeypatch.setattr(DynamoSettings, "_open", 0)  # no Recorder open, whatever earlier tests left alive
     monkeypatch.setattr(DynamoSettings, "_saved", None)

@@ -14,7 +14,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gradscope.recorder.wrappers import DonationOff
+from gradscope.recorder.capture.compile_settings import DonationOff
 
 HERE = Path(__file__).parent
 BOUND = 1e-5  # relative: fp32 gradients, compiled against eager autograd (observed ≈ 2e-7)

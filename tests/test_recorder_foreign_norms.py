@@ -116,7 +116,7 @@ def test_a_norm_shared_by_three_blocks_gets_a_row_per_call():
 
 
 def test_a_literal_eps_is_read_from_the_call():
-    from gradscope.recorder.norm_stats import fit_norm
+    from gradscope.recorder.numerics.norm_stats import fit_norm
 
     for kind, eps in (("nanogpt", 1e-5), ("rms_literal", 1e-5)):
         norm = NORMS[kind](D)

@@ -17,7 +17,7 @@ import gradscope
 
 def _gradscope_hooks(model: nn.Module) -> int:
     """Hooks in the modules' hook dicts, and those a module's carrying class runs (HookSet)."""
-    from gradscope.recorder.carrying import is_carrying
+    from gradscope.recorder.capture.carrying import is_carrying
 
     carried = sum(len(type(m)._gradscope_names) - 1 for m in model.modules() if is_carrying(type(m)))
     return carried + sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
@@ -68,7 +68,7 @@ def test_hooks_are_there_only_while_a_step_records(compiled):
 def test_a_recorder_dropped_without_close_leaves_no_capture_and_no_hook_behind():
     import gc
 
-    from gradscope.recorder import capture
+    from gradscope.recorder.capture import site_hooks as capture
 
     model = Twin()
     gc.collect()  # (captures of earlier tests' dropped Recorders, not yet collected)

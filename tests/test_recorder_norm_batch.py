@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradscope.recorder.sqnorm import DENSE_MIN, RELATIVE_ERROR_BOUND, NormBatch, SquaredNormPlan
+from gradscope.recorder.numerics.squared_norms import DENSE_MIN, RELATIVE_ERROR_BOUND, NormBatch, SquaredNormPlan
 
 
 def _mixed(seed: int = 0) -> list[torch.Tensor]:

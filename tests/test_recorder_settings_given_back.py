@@ -11,7 +11,7 @@ import torch.compiler.config as compiler_config
 from torch import nn
 
 import gradscope
-from gradscope.recorder.wrappers import DonationOff
+from gradscope.recorder.capture.compile_settings import DonationOff
 
 
 @pytest.fixture

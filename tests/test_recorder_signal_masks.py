@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gradscope
-from gradscope.recorder.signals import allowed_keys
+from gradscope.recorder.capture.signals import allowed_keys
 
 
 class Attention(nn.Module):

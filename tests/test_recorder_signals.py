@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import gradscope
-from gradscope.recorder.signals import QUERIES
+from gradscope.recorder.capture.signals import QUERIES
 from zoo_cases import batch, tiny
 
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradscope.recorder.sqnorm import BLOCK, DENSE_MIN, RELATIVE_ERROR_BOUND, TRACED_ERROR_BOUND, squared_norm, squared_norms
+from gradscope.recorder.numerics.squared_norms import (BLOCK, DENSE_MIN, RELATIVE_ERROR_BOUND, TRACED_ERROR_BOUND, squared_norm,
+                                                     squared_norms)
 
 BOUND = 1e-6  # issue 22: relative error against fp64, up to 2^26 elements, on any CPU
 
@@ -212,7 +213,7 @@ def test_recorded_norms_of_a_long_tensor_compiled():
 def test_a_plan_refuses_gradients_whose_shapes_changed_by_its_groups_totals():
     """``SquaredNormPlan.if_joined`` checks each group's concatenation, not every tensor:
     a tensor of another trailing shape, or a group with other rows in total, gives None."""
-    from gradscope.recorder.sqnorm import SquaredNormPlan
+    from gradscope.recorder.numerics.squared_norms import SquaredNormPlan
 
     torch.manual_seed(0)
     tensors = [torch.randn(4, 3), torch.randn(2, 3), torch.randn(5), torch.randn(7)]

@@ -26,7 +26,7 @@ def _reference(model: Twin, x: torch.Tensor) -> dict[str, float]:
 @pytest.fixture
 def no_recorder_open(monkeypatch):
     """Dynamo's default (no guards on empty hook dicts) and no Recorder open, whatever earlier tests left alive."""
-    from gradscope.recorder.wrappers import DynamoSettings
+    from gradscope.recorder.capture.compile_settings import DynamoSettings
 
     monkeypatch.setattr(DynamoSettings, "_open", 0)
     monkeypatch.setattr(DynamoSettings, "_saved", None)
@@ -144,7 +144,7 @@ def test_an_id_left_by_a_module_collected_while_armed_does_not_keep_another_arme
     that gets one of their ids still has its own class back after its step."""
     import weakref
 
-    from gradscope.recorder import hookset
+    from gradscope.recorder.capture import hookset
 
     model = Twin()
     own = [type(m) for m in model.modules()]

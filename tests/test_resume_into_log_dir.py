@@ -271,7 +271,7 @@ def test_a_resumed_run_that_runs_a_replayed_step_unrecorded_owns_it(tmp_path, re
     and without recording it (every=5). The replay's rows are not read back (a new-user review:
     they were, so the table showed a spike the final run never had). ``range(16, 19)`` records
     nothing in the resumed session: its end writes a part of no rows that says what it ran."""
-    from gradscope.recorder.replay import ReplayOptions
+    from gradscope.recorder.replay.replay import ReplayOptions
 
     torch.manual_seed(0)
     model = Net()

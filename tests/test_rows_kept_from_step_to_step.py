@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import gradscope
-from gradscope.recorder import sqnorm
+from gradscope.recorder.numerics import squared_norms as sqnorm
 from gradscope.table.keys import Key
 from gradscope.table.rows import RowStore
 

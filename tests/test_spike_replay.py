@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import gradscope
-from gradscope.recorder.replay import ReplayOptions
+from gradscope.recorder.replay.replay import ReplayOptions
 
 SPIKE_AT = 20
 STEPS = 24

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import gradscope
-from gradscope.recorder.replay import ReplayOptions
+from gradscope.recorder.replay.replay import ReplayOptions
 from test_spike_replay import assert_same_rows, step_rows
 
 SPIKE_AT = 6

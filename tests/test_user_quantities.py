@@ -145,7 +145,7 @@ def test_user_quantities_agree_with_autograd(compiled):
     sites = gradscope.site_names(twin)
     ref = _reference(twin, batches, sites)
     # eager: the same op on the same tensor; compiled: Inductor's fused reductions, and the gradient
-    # at a hand-written RMSNorm's input is its closed form (gradscope.recorder.norm_stats)
+    # at a hand-written RMSNorm's input is its closed form (gradscope.recorder.numerics.norm_stats)
     tol = 1e-5 if compiled else 2e-6
     for quantity, how in (("act_max_abs", "max"), ("act_grad_rms", "rms")):
         got = df[df.quantity == quantity]

@@ -17,7 +17,7 @@ norm) at ``on_before_optimizer_step``; a spiking step the schedule skips is repl
 callback keeps references to the step's batches, and runs ``training_step`` and the
 module's ``backward`` on each again (loss divided by ``accumulate_grad_batches``, scaled by
 the precision plugin's GradScaler if it has one), with ``self.log`` muted, recorded
-(:mod:`gradscope.recorder.replay`). Other callbacks' backward hooks do not fire in the replay.
+(:mod:`gradscope.recorder.replay.replay`). Other callbacks' backward hooks do not fire in the replay.
 """
 
 from __future__ import annotations

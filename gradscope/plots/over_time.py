@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 
 from gradscope.plots import _style
-from gradscope.recorder.spike import SIGMAS, WINDOW, too_few_for_spikes
+from gradscope.recorder.quantities.spike import SIGMAS, WINDOW, too_few_for_spikes
 
 NONFINITE_MARKER = dict(marker="*", s=90, color="magenta", edgecolor="black", linewidths=0.5, zorder=5)
 SPIKE_MARKER = dict(marker="v", s=40, color="red", zorder=4)
@@ -139,7 +139,7 @@ def layer_series(df: pd.DataFrame, *, layers: Sequence[tuple[str, int]] | None =
         quantity: quantity to draw (default ``act_grad_norm``).
         role: which sites (default ``layer_out``).
         spikes: spike rows (``quantity == "spike"``, as recorded or from
-            :func:`gradscope.recorder.spike.find_spikes`); default the table's own.
+            :func:`gradscope.recorder.quantities.spike.find_spikes`); default the table's own.
         max_bins: most points per line; longer series are averaged in equal-width bins
             (spikes keep their exact step).
         ax: Axes to draw on.

@@ -1,9 +1,9 @@
 """What a Recorder recorded, read back, saved and checkpointed: the table side of
 :class:`~gradscope.recorder.recorder.Recorder`, which it inherits.
 
-The rows of recorded steps wait in the Recorder's :class:`~gradscope.recorder.late_rows.LateRows`
+The rows of recorded steps wait in the Recorder's :class:`~gradscope.recorder.rows.late_rows.LateRows`
 (``_late``) until read; they are kept in memory (``_store``) or streamed to ``log_dir`` by its
-:class:`~gradscope.recorder.outlet.Outlet` (``_out``). A checkpoint (``state_dict``) also holds
+:class:`~gradscope.recorder.rows.outlet.Outlet` (``_out``). A checkpoint (``state_dict``) also holds
 the cosine sampler's generator and the spike windows, so a resumed run samples and judges
 as the uninterrupted one would.
 """
@@ -19,10 +19,10 @@ from gradscope.table.rows import RowStore
 if TYPE_CHECKING:
     import torch
 
-    from gradscope.recorder.checks import StepChecks
-    from gradscope.recorder.late_rows import LateRows
-    from gradscope.recorder.outlet import Outlet
-    from gradscope.recorder.replay import SpikeWatch
+    from gradscope.recorder.step.checks import StepChecks
+    from gradscope.recorder.rows.late_rows import LateRows
+    from gradscope.recorder.rows.outlet import Outlet
+    from gradscope.recorder.replay.replay import SpikeWatch
 
 
 class RecordedTable:
@@ -83,7 +83,7 @@ class RecordedTable:
             dst: the rank that receives the gathered table.
         """
         if gather:
-            from gradscope.recorder.collectives import gather_frame
+            from gradscope.recorder.numerics.collectives import gather_frame
             return gather_frame(self, dst=dst)
         self._late.drain()
         disk = self._out.frame()  # with log_dir: the parts written so far and the buffer

@@ -11,13 +11,13 @@ Usage::
         opt.step(); opt.zero_grad()
     df = rec.frame()
 
-The capture lives inside the graph (:mod:`gradscope.recorder.capture`): hooks are installed
+The capture lives inside the graph (:mod:`gradscope.recorder.capture.capture`): hooks are installed
 when the Recorder is made and removed by ``close()``; steps that are not recorded pass
 straight through them. Values stay on the device and reach the host once per recorded step.
 The recorder never draws from the global RNG, never re-runs a module and never writes to
 parameters, buffers or gradients, so training with and without it is bit-identical, eager
-or compiled. Each quantity is a :class:`~gradscope.recorder.quantity.Quantity`: the
-built-in ones are in :mod:`gradscope.recorder.quantities`, and a user's own are instances
+or compiled. Each quantity is a :class:`~gradscope.recorder.quantities.quantity.Quantity`: the
+built-in ones are in :mod:`gradscope.recorder.quantities.registry`, and a user's own are instances
 passed in ``quantities``.
 """
 
@@ -35,24 +35,27 @@ import numpy as np
 import torch
 from torch import nn
 
-from gradscope.recorder.capture import Capture
-from gradscope.recorder.checks import StepChecks
-from gradscope.recorder.late_rows import LateRows
-from gradscope.recorder.layout import find_layout
+from gradscope.recorder.capture.capture import Capture
+from gradscope.recorder.step.checks import StepChecks
+from gradscope.recorder.rows.late_rows import LateRows
+from gradscope.recorder.discovery.layout import find_layout
 from gradscope.recorder.options import RecorderOptions, moved_options, positional_names
-from gradscope.recorder.outlet import Outlet, make_sinks
-from gradscope.recorder.params import ParamGroups
-from gradscope.recorder.quantities import resolve_quantities
+from gradscope.recorder.rows.outlet import Outlet, make_sinks
+from gradscope.recorder.capture.params import ParamGroups
+from gradscope.recorder.quantities.registry import resolve_quantities
 from gradscope.recorder.recorded_table import RecordedTable
-from gradscope.recorder.replay import ReplayOptions, SpikeReplay, replay_options
-from gradscope.recorder.step_end import StepEnd
-from gradscope.recorder.step_runner import StepRunner
-from gradscope.recorder.spike import SpikeDetector
-from gradscope.recorder.store import StepBuffer
-from gradscope.recorder.update_ratio import UpdateRatioHooks
-from gradscope.recorder.wrappers import (DonationOff, DynamoSettings, checked_arguments, dist_rank, loggable,
-                                         step_index, token_masks, unwrap)
-from gradscope.recorder.scaler_watch import ScalerWatch, grad_scale, params_unscaled
+from gradscope.recorder.replay.replay import ReplayOptions, SpikeReplay, replay_options
+from gradscope.recorder.step.step_end import StepEnd
+from gradscope.recorder.replay.step_runner import StepRunner
+from gradscope.recorder.quantities.spike import SpikeDetector
+from gradscope.recorder.capture.store import StepBuffer
+from gradscope.recorder.capture.update_ratio import UpdateRatioHooks
+from gradscope.recorder.capture.compile_settings import DonationOff, DynamoSettings
+from gradscope.recorder.capture.cosine_rows import token_masks
+from gradscope.recorder.discovery.wrappers import unwrap
+from gradscope.recorder.numerics.collectives import dist_rank
+from gradscope.recorder.step.arguments import checked_arguments, loggable, step_index
+from gradscope.recorder.capture.scaler_watch import ScalerWatch, grad_scale, params_unscaled
 from gradscope.sinks.base import RunInfo, Sink
 from gradscope.table.keys import model_key
 from gradscope.table.rows import RowStore
@@ -67,7 +70,7 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
 
     Args:
         model: a zoo model (also when wrapped, e.g. in a LightningModule or DDP) or any
-            ``nn.Module`` (see ``gradscope.recorder.layout``). A
+            ``nn.Module`` (see ``gradscope.recorder.discovery.layout``). A
             ``DistributedDataParallel`` wrapper is unwrapped (sites and groups are named
             from ``model.module``), and so is a ``torch.compile`` wrapper; FSDP2
             (``fully_shard``) models are used as they are. Under ``torch.distributed`` see
@@ -94,10 +97,10 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
             written (default 100): at most this many are lost if the process is killed.
         sinks: more :class:`gradscope.sinks.Sink` s that receive every row as it is
             recorded (``TensorBoardSink``, ``WandbSink``); closed by ``close()``.
-        on_spike: ``"replay"`` (or a :class:`~gradscope.recorder.replay.ReplayOptions`):
+        on_spike: ``"replay"`` (or a :class:`~gradscope.recorder.replay.replay.ReplayOptions`):
             watch every step opened by :meth:`run` (or ``begin_step`` and
             :meth:`check_spike`) for a loss or gradient-norm spike and record a spiking step
-            that the schedule skips by running it again (:mod:`gradscope.recorder.replay`);
+            that the schedule skips by running it again (:mod:`gradscope.recorder.replay.replay`);
             None (default): no watch.
         options: the settings most runs leave alone (``variant``, ``rank``, ``reduction``,
             ``cosine_tokens``, ``max_calls``, ``seed``): :class:`RecorderOptions`.

@@ -112,7 +112,7 @@ def legacy_roles(df: pd.DataFrame) -> pd.Series:
 
     Only for old files (the parquet tables committed under ``figures/`` before the column
     existed); :func:`load` calls it once when the column is missing. New tables carry the
-    role that ``gradscope.recorder.layout`` decided when recording, and nothing else may
+    role that ``gradscope.recorder.discovery.layout`` decided when recording, and nothing else may
     derive a role from a site name. This function reads names the way that layout named
     them at the time:
 

@@ -18,7 +18,7 @@ Columns:
         for parameter norms, the module prefix (``""`` for the total).
     quantity: the quantity's name: a built-in one (``act_grad_norm``, ``param_grad_norm``,
         ``ln_gain``, ``cosine``, ``loss``...: every one, with its definition, in
-        :data:`gradscope.recorder.quantities.REGISTRY` and the generated quantity
+        :data:`gradscope.recorder.quantities.registry.REGISTRY` and the generated quantity
         reference) or a user quantity's own name.
     value: the number (float64).
     layer_j: column index j of matrix quantities, the head (0-based) of per-head

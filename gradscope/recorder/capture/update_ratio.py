@@ -1,0 +1,123 @@
+"""The Recorder's optimizer step hooks: ``update_ratio`` (‖Δθ‖/‖θ‖ per parameter group, measured around
+``optimizer.step()``) and the ``lr`` that a step inside the recorded step used."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from gradscope.recorder.capture.params import ParamGroups
+from gradscope.table.keys import Key
+
+
+class UpdateRatioHooks:
+    """Optimizer step hooks that measure the update of a recorded step.
+
+    A group whose ‖θ‖ was 0 before the update (weights initialised to zero) has no ratio:
+    no row, and a warning names it once; a group without parameters has no row either.
+
+    Args:
+        groups: the Recorder's parameter groups.
+        emit: called with (step, keys, ratios) once the optimizer has stepped.
+        warn: ``warn_once(topic, message)`` of the Recorder.
+    """
+
+    def __init__(self, groups: ParamGroups, emit: Callable[[int, list[Key], np.ndarray], None],
+                 warn: Callable[[str, str], None] = lambda topic, message: None) -> None:
+        self.groups, self.emit, self.warn = groups, emit, warn
+        self.pending: int | None = None  # the recorded step whose update is measured next (:meth:`open`)
+        self.step_open = False  # a recorded step is open (the Recorder sets it)
+        self.lr_used = None  # the first group's lr when the optimizer stepped inside the open recorded step
+        self._before: list[torch.Tensor] | None = None
+        self._stepping = False  # between the optimizer's pre- and post-step hooks
+        self.begun = 0  # optimizer steps begun since the hooks were attached (Recorder.run's check)
+        self._handles: list = []
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> None:
+        """Hooks ``optimizer.step`` (replacing hooks on an earlier optimizer); nothing for an
+        optimizer whose steps fire no hooks (then no ``update_ratio`` rows, said by :meth:`expire`)."""
+        self.remove()
+        target = hookable(optimizer)
+        if target is not None:
+            self._handles = [target.register_step_pre_hook(self._before_step),
+                             target.register_step_post_hook(self._after_step)]
+
+    def remove(self) -> None:
+        """Removes the optimizer hooks."""
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+    def open(self, step: int) -> None:
+        """A recorded step that wants ``update_ratio`` opens: the next optimizer step is its
+        update. Opened inside ``optimizer.step(closure)`` (Lightning calls its hooks, and a
+        spike replay, from the closure, which runs before the parameters change), the
+        parameters are taken now."""
+        self.pending = step
+        if self._stepping:
+            self._before = [p.detach().clone() for p in self.groups.params]
+
+    def expire(self, step: int, warn: Callable[..., None]) -> None:
+        """A new step opens: a recorded step whose optimizer never stepped (a GradScaler that
+        skipped it on inf/NaN gradients, or an optimizer stepping every few steps) has no
+        update, so no row, rather than the next step's update under its index."""
+        if self.pending is not None and self.pending != step:
+            warn("update_ratio_expired", f"no update_ratio row for step {self.pending}: the optimizer did not step "
+                 f"before step {step} opened (a GradScaler skipped it on inf/NaN gradients, or the optimizer steps "
+                 "every few steps); the update is measured around optimizer.step() inside the recorded step or "
+                 "after it. Not reported again.")
+            self.pending, self._before = None, None
+
+    def _before_step(self, optimizer, args, kwargs) -> None:
+        self._stepping = True
+        self.begun += 1
+        if self.step_open:  # (the lr this update uses: a scheduler stepping inside the step changes it before it ends)
+            lr = optimizer.param_groups[0]["lr"]
+            self.lr_used = lr.detach().clone() if isinstance(lr, torch.Tensor) else lr
+        if self.pending is not None:
+            self._before = [p.detach().clone() for p in self.groups.params]
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        self._stepping = False
+        if self.pending is None or self._before is None:
+            return
+        now = [p.detach() for p in self.groups.params]
+        if len(now) == len(self._before):
+            delta = self.groups.group_norms(torch._foreach_sub(now, self._before))
+            base = self.groups.group_norms(self._before)
+            delta, base = torch.stack([delta, base]).cpu().double().numpy()  # (one transfer)
+            keys, defined = self.groups.keys("update_ratio"), base > 0
+            owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+            others = [p.requires_grad and id(p) not in owned for p in self.groups.params]
+            if any(others):  # trained by another optimizer (or none): their Δθ is not this step's, 0.0 here
+                elsewhere = np.asarray(self.groups.any_member(others))
+                self.warn("update_ratio_other_optimizer", f"update_ratio: group(s) "
+                          f"{[k.site for k, e in zip(keys, elsewhere) if e][:5]} hold trainable parameters that the "
+                          "attached optimizer does not step (a second optimizer?): no rows for them, the total "
+                          "included. Not reported again.")
+                defined &= ~elsewhere
+            if not defined.all():
+                zero = [k.site for k, b, p in zip(keys, base, self.groups.populated) if p and b <= 0]
+                if zero:
+                    self.warn("update_ratio_zero", f"update_ratio of group(s) {zero[:5]} is undefined at step "
+                              f"{self.pending}: ‖θ‖ was 0 before the update (weights initialised to zero); no row for "
+                              "them while it is. Not reported again.")
+                keys = [k for k, d in zip(keys, defined) if d]
+            self.emit(self.pending, keys, delta[defined] / base[defined])
+        self.pending, self._before = None, None
+
+
+def hookable(optimizer) -> torch.optim.Optimizer | None:
+    """The optimizer whose ``step`` fires step hooks: ``optimizer`` itself, or the one a wrapper
+    holds as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, which the HF Trainer hands
+    its callbacks, keeps no hooks of its own); None if neither does."""
+    for _ in range(4):
+        if hasattr(optimizer, "_optimizer_step_pre_hooks"):
+            return optimizer
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None or inner is optimizer:
+            return None
+        optimizer = inner
+    return None

@@ -1,0 +1,109 @@
+"""The two ways a hook writes what it captured: traced by Dynamo, or run eagerly.
+
+Every hook of :class:`~gradscope.recorder.capture.capture.Capture` asks once which writer applies
+(:meth:`Capture.writer`) and then only talks to it:
+
+- :class:`TracedWriter` (inside ``torch.compile``): every value goes into the device
+  buffers with in-place writes, and every gradient through a :class:`Tap` whose backward
+  writes into the collector's gradient, so the whole capture is part of the graph;
+- :class:`EagerWriter`: order marks stay on the host, values wait as 0-d tensors until
+  the snapshot gathers them in one write, and gradients are read by the cheapest exact
+  hook (:mod:`gradscope.recorder.capture.eager`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from gradscope.recorder.capture.eager import hookable
+from gradscope.recorder.numerics.squared_norms import squared_norm
+from gradscope.recorder.capture.taps import NormTap, Tap
+
+class TracedWriter:
+    """Writes of a hook traced by Dynamo: all on the device, inside the graph."""
+
+    traced = True
+
+    def __init__(self, capture) -> None:  # (the Capture whose buffers it writes: capture/capture.py)
+        self.capture = capture
+
+    def call(self, i: int) -> tuple[int, bool]:
+        """(call slot, inside a recompute) of counter ``i``: traced, never a recompute."""
+        return self.capture.next_call(i), False
+
+    def mark(self, slot: int, order: float) -> None:
+        self._write(slot, 0, torch.full((1,), order, device=self.capture.fwd.device))
+
+    def put(self, slot: int, channel: int, value: torch.Tensor) -> None:
+        self._write(slot, channel, value.reshape(1))
+
+    def value(self, slot: int, t: torch.Tensor) -> None:
+        """‖t‖² added into the value channel (the snapshot takes the square root: every
+        forward of a micro-step counts, as its gradients do)."""
+        self._write(slot, 1, squared_norm(t).reshape(1), accumulate=True)
+
+    def _write(self, slot: int, channel: int, value: torch.Tensor, accumulate: bool = False) -> None:
+        """``fwd[slot, channel] = value`` (or ``+=``) as ``index_put_``: Inductor writes that
+        one element, where the indexing assignment became a pass over the whole (n_slots ×
+        width) buffer for every write (≈300 per forward: a 0.2 ms kernel in a d=16 compiled forward)."""
+        fwd = self.capture.fwd
+        fwd.index_put_((torch.full((1,), slot, device=fwd.device), torch.full((1,), channel, device=fwd.device)),
+                       value.to(fwd.dtype), accumulate=accumulate)
+
+    def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor:
+        """The tapped value whose backward writes ‖grad‖² (and user statistics) into the collector."""
+        c = self.capture
+        collector, at = c.traced_slot(slot)
+        return c.passed_on(t, Tap.apply(t, collector, at, None, c.grad_stats_now))
+
+    def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
+        c = self.capture
+        collector, at = c.traced_slot(slot)
+        return NormTap.apply(y, x, collector, at, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
+
+
+class EagerWriter(TracedWriter):
+    """Writes of a hook run eagerly: host marks, pending values, node hooks where exact."""
+
+    traced = False
+
+    def call(self, i: int) -> tuple[int, bool]:
+        c = self.capture
+        if torch._C._current_autograd_node() is not None:  # activation checkpointing recomputes
+            return c.next_recall(i), True
+        return c.next_call(i), False
+
+    def mark(self, slot: int, order: float) -> None:
+        self.capture.marks[slot] = order
+
+    def put(self, slot: int, channel: int, value: torch.Tensor) -> None:
+        self.capture.pending_fwd.append((slot, channel, value))
+
+    def value(self, slot: int, t: torch.Tensor) -> None:
+        """‖t‖² for the snapshot (added to the slot's, one square root for all): of a model that promises no
+        in-place op after a site (``site_outputs_never_modified_in_place``), ``t`` itself
+        waits and is reduced with the others; otherwise it is reduced now, as a later
+        in-place op would change it. A site that receives the very tensor (same version)
+        the last site passed on reuses it (a layer's ``out`` is the next layer's ``in``)."""
+        c = self.capture
+        if c.promised:  # no in-place op can follow: reduced later, a stack at a time
+            c.values.add(slot, t)
+        else:
+            c.pending_sq.append((slot, c.value_sq(t)))
+
+    def tap(self, i: int, t: torch.Tensor, slot: int, recompute: bool, module_args: tuple) -> torch.Tensor | None:
+        """A node hook where it reads the same gradient (None: the value is kept), else an
+        alias or the Tap (:mod:`gradscope.recorder.capture.eager`)."""
+        c = self.capture
+        if c.hooked[i] and hookable(t, *module_args):
+            c.eager.hook(t, slot, recompute)
+            return None
+        if c.alias[i]:
+            out = t[...]  # aten.alias (a new autograd node that hands the gradient on unchanged), by indexing's fast path
+            c.eager.retain(out, slot, recompute)
+            return c.passed_on(t, out)
+        return c.passed_on(t, Tap.apply(t, c.collector, slot, c.eager, ()))
+
+    def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
+        c = self.capture
+        return NormTap.apply(y, x, c.collector, slot, kind, w, is_ln, eps, dims, c.eager, ())
