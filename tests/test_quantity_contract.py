@@ -15,7 +15,7 @@ import pytest
 import gradscope
 from gradscope import distributed
 from gradscope.recorder.quantities import spike
-from gradscope.recorder.quantities.registry import PRESETS, REGISTRY, reference
+from gradscope.recorder.quantities.registry import QUANTITY_SETS, REGISTRY, reference
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "gradscope"
@@ -35,7 +35,7 @@ def test_every_built_in_quantity_keeps_the_contract():
         q.check()
         assert q.name == name and q.description, name
     assert set(gradscope.QUANTITIES) == {n for q in REGISTRY.values() for n in q.names}
-    assert all(set(p) <= set(REGISTRY) for p in PRESETS.values())
+    assert all(set(p) <= set(REGISTRY) for p in QUANTITY_SETS.values())
 
 
 def test_ranks_and_spike_read_the_registry():

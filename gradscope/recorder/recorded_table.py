@@ -1,43 +1,47 @@
-"""What a Recorder recorded, read back, saved and checkpointed: the table side of
-:class:`~gradscope.recorder.recorder.Recorder`, which it inherits.
+"""What a Recorder recorded, read back, saved and checkpointed: :class:`RecordedTable`, the
+table side a :class:`~gradscope.recorder.recorder.Recorder` holds.
 
-The rows of recorded steps wait in the Recorder's :class:`~gradscope.recorder.rows.late_rows.LateRows`
-(``_late``) until read; they are kept in memory (``_store``) or streamed to ``log_dir`` by its
-:class:`~gradscope.recorder.rows.outlet.Outlet` (``_out``). A checkpoint (``state_dict``) also holds
+The rows of recorded steps wait in the :class:`~gradscope.recorder.rows.late_rows.LateRows`
+queue until read; they are kept in memory (a ``RowStore``) or streamed to ``log_dir`` by the
+:class:`~gradscope.recorder.rows.outlet.Outlet`. A checkpoint (``state_dict``) also holds
 the cosine sampler's generator and the spike windows, so a resumed run samples and judges
 as the uninterrupted one would.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import pandas as pd
+import torch
 
+from gradscope.io import save_frame
+from gradscope.recorder.numerics.collectives import gather_frame
+from gradscope.recorder.rows.late_rows import LateRows
+from gradscope.recorder.rows.outlet import Outlet
+from gradscope.recorder.step.checks import StepChecks
+from gradscope.sinks.base import RunInfo
 from gradscope.table.rows import RowStore
-
-if TYPE_CHECKING:
-    import torch
-
-    from gradscope.recorder.step.checks import StepChecks
-    from gradscope.recorder.rows.late_rows import LateRows
-    from gradscope.recorder.rows.outlet import Outlet
-    from gradscope.recorder.replay.replay import SpikeWatch
 
 
 class RecordedTable:
-    """Reading, saving and checkpointing the rows a Recorder recorded."""
+    """Reading, saving and checkpointing the rows one Recorder recorded.
 
-    _late: LateRows
-    _out: Outlet
-    _store: RowStore
-    _generator: torch.Generator
-    _checks: StepChecks
-    run_name: str
-    variant: str
-    rank: int
-    reduction: str
-    watch: SpikeWatch | None
+    Args:
+        late: the queue of steps whose rows are not built yet.
+        outlet: where built rows go (memory or ``log_dir``, and the sinks).
+        store: the in-memory rows (used when there is no ``log_dir``).
+        generator: the cosine sampler's generator (checkpointed).
+        checks: the Recorder's step checks (told the last step a checkpoint holds).
+        info: the run-wide columns.
+        watch: the spike replay's watch (a :class:`~gradscope.recorder.replay.replay.SpikeWatch`), or None
+            (checkpointed).
+    """
+
+    def __init__(self, *, late: LateRows, outlet: Outlet, store: RowStore, generator: torch.Generator,
+                 checks: StepChecks, info: RunInfo, watch: Any = None) -> None:
+        self._late, self._out, self._store, self._generator = late, outlet, store, generator
+        self._checks, self._info, self._watch = checks, info, watch
 
     # -- checkpoints -------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -51,8 +55,8 @@ class RecordedTable:
         state = {"rows": self._store.state_dict(), "generator": self._generator.get_state()}
         if self._out.spikes is not None:  # the spike quantity's windows, and the replay watch's
             state["spike"] = self._out.spikes.state_dict()
-        if self.watch is not None:
-            state["watch"] = self.watch.state_dict()
+        if self._watch is not None:
+            state["watch"] = self._watch.state_dict()
         return state
 
     def load_state_dict(self, state: dict) -> None:
@@ -67,10 +71,10 @@ class RecordedTable:
         self._generator.set_state(state["generator"])
         if self._out.spikes is not None and "spike" in state:
             self._out.spikes.load_state_dict(state["spike"])
-        if self.watch is not None and "watch" in state:
-            self.watch.load_state_dict(state["watch"])
+        if self._watch is not None and "watch" in state:
+            self._watch.load_state_dict(state["watch"])
         steps = rows.steps()
-        self._checks.last_recorded = max(steps) if steps else None
+        self._checks.resume(max(steps) if steps else None)
 
     # -- output ----------------------------------------------------------------------------
     def frame(self, *, gather: bool = False, dst: int = 0) -> pd.DataFrame | None:
@@ -83,12 +87,12 @@ class RecordedTable:
             dst: the rank that receives the gathered table.
         """
         if gather:
-            from gradscope.recorder.numerics.collectives import gather_frame
             return gather_frame(self, dst=dst)
         self._late.drain()
         disk = self._out.frame()  # with log_dir: the parts written so far and the buffer
-        return disk if disk is not None else self._store.frame(run=self.run_name, variant=self.variant, rank=self.rank,
-                                                               reduction=self.reduction)
+        info = self._info
+        return disk if disk is not None else self._store.frame(run=info.run, variant=info.variant, rank=info.rank,
+                                                               reduction=info.reduction)
 
     def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
         """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``).
@@ -96,7 +100,6 @@ class RecordedTable:
         With ``gather=True`` every rank must call it; rank ``dst`` writes all ranks' rows
         and the others write nothing.
         """
-        from gradscope.io import save_frame
         df = self.frame(gather=gather, dst=dst)
         if df is not None:
             save_frame(df, path)

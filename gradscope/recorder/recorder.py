@@ -1,24 +1,6 @@
-"""``Recorder``: records the quantities of docs/quantities.md of a model for chosen training steps.
-
-Usage::
-
-    rec = gradscope.Recorder(model, optimizer=opt)
-    model = torch.compile(model)          # optional, before or after the Recorder
-    for step, batch in enumerate(loader):
-        with rec.step(step):              # covers forward and backward
-            loss = loss_fn(model(*batch)); loss.backward()
-            rec.log("loss", loss)
-        opt.step(); opt.zero_grad()
-    df = rec.frame()
-
-The capture lives inside the graph (:mod:`gradscope.recorder.capture.capture`): hooks are installed
-when the Recorder is made and removed by ``close()``; steps that are not recorded pass
-straight through them. Values stay on the device and reach the host once per recorded step.
-The recorder never draws from the global RNG, never re-runs a module and never writes to
-parameters, buffers or gradients, so training with and without it is bit-identical, eager
-or compiled. Each quantity is a :class:`~gradscope.recorder.quantities.quantity.Quantity`: the
-built-in ones are in :mod:`gradscope.recorder.quantities.registry`, and a user's own are instances
-passed in ``quantities``.
+"""``Recorder``: records the quantities of docs/quantities.md of a model for chosen training
+steps (usage and how the parts fit: :mod:`gradscope.recorder`). The Recorder composes the
+parts; each owns its state.
 """
 
 from __future__ import annotations
@@ -28,39 +10,40 @@ import functools
 import os
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
-import numpy as np
+import pandas as pd
 import torch
 from torch import nn
 
 from gradscope.recorder.capture.capture import Capture
-from gradscope.recorder.step.checks import StepChecks
-from gradscope.recorder.rows.late_rows import LateRows
-from gradscope.recorder.discovery.layout import find_layout
-from gradscope.recorder.options import RecorderOptions, moved_options, positional_names
-from gradscope.recorder.rows.outlet import Outlet, make_sinks
-from gradscope.recorder.capture.params import ParamGroups
-from gradscope.recorder.quantities.registry import resolve_quantities
-from gradscope.recorder.recorded_table import RecordedTable
-from gradscope.recorder.replay.replay import ReplayOptions, SpikeReplay, replay_options
-from gradscope.recorder.step.step_end import StepEnd
-from gradscope.recorder.replay.step_runner import StepRunner
-from gradscope.recorder.quantities.spike import SpikeDetector
-from gradscope.recorder.capture.store import StepBuffer
-from gradscope.recorder.capture.update_ratio import UpdateRatioHooks
-from gradscope.recorder.capture.compile_settings import DonationOff, DynamoSettings
+from gradscope.recorder.capture.compile_settings import DynamoSettings
 from gradscope.recorder.capture.cosine_rows import token_masks
+from gradscope.recorder.capture.params import ParamGroups
+from gradscope.recorder.capture.scaler_watch import ScalerWatch, grad_scale, params_unscaled
+from gradscope.recorder.capture.update_ratio import UpdateRatioHooks
+from gradscope.recorder.discovery.layout import find_layout
 from gradscope.recorder.discovery.wrappers import unwrap
 from gradscope.recorder.numerics.collectives import dist_rank
-from gradscope.recorder.step.arguments import checked_arguments, loggable, step_index
-from gradscope.recorder.capture.scaler_watch import ScalerWatch, grad_scale, params_unscaled
+from gradscope.recorder.options import RecorderOptions, moved_options, positional_names
+from gradscope.recorder.quantities.built_in import LrSource
+from gradscope.recorder.quantities.registry import resolve_quantities
+from gradscope.recorder.quantities.spike import SpikeDetector
+from gradscope.recorder.replay.replay import Reading, ReplayOptions, SpikeReplay, SpikeWatch, replay_options
+from gradscope.recorder.rows.late_rows import LateRows
+from gradscope.recorder.rows.outlet import Outlet, make_sinks
+from gradscope.recorder.recorded_table import RecordedTable
+from gradscope.recorder.step.arguments import checked_arguments, log_key, step_index
+from gradscope.recorder.step.checks import StepChecks
+from gradscope.recorder.session import StepSession
+from gradscope.recorder.step.step_end import StepEnd
 from gradscope.sinks.base import RunInfo, Sink
-from gradscope.table.keys import model_key
 from gradscope.table.rows import RowStore
 
-class Recorder(RecordedTable, StepRunner, StepEnd):
+
+class Recorder:
     """Records gradient norms and LayerNorm statistics of ``model``.
 
     It may be made before or after the model is compiled (a recorded module has a class of
@@ -130,15 +113,11 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
         model = unwrap(model)
         self.model = model
         self._quantities = resolve_quantities(quantities)
-        self._named = set() if isinstance(quantities, str) else {q for q in quantities if isinstance(q, str)}
+        named = set() if isinstance(quantities, str) else {q for q in quantities if isinstance(q, str)}
         self.quantities = tuple(self._quantities)
         self.every, self.slow_every = every, slow_every
         self.layout = find_layout(model, sites)
-        if self.layout.not_norms:
-            warnings.warn(f"gradscope: {self.layout.not_norms[:4]}{' ...' if len(self.layout.not_norms) > 4 else ''} "
-                          "are named *Norm but hold parameters of more than one dimension (a per-head gain, as "
-                          "Cohere's q/k norms), which the recorder does not read as a norm: they have no norm sites, "
-                          "ln_gain or w/sigma rows", stacklevel=2)
+        self.layout.warn_not_norms()
         self.groups = ParamGroups(model, self.layout)
         self.run_name = run if run is not None else Path(log_dir).name if log_dir is not None else "run"
         config = getattr(model, "config", None)
@@ -150,40 +129,41 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
         self._generator = torch.Generator().manual_seed(options.seed)
         self._store = RowStore()
         watched = tuple(n for n, q in self._quantities.items() if q.spike_watched)
-        self._out = Outlet(self._store, make_sinks(log_dir, flush_every, sinks),
-                           RunInfo(self.run_name, self.variant, self.rank, self.reduction),
+        info = RunInfo(self.run_name, self.variant, self.rank, self.reduction)
+        self._out = Outlet(self._store, make_sinks(log_dir, flush_every, sinks), info,
                            SpikeDetector(watch=watched) if "spike" in self._quantities else None)
-        self._forward_params = positional_names(model)
-        self._value_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_values)
-        self._grad_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_grads)
+        # the quantities whose site_value / site_grad the capture takes, in its channel order
+        value_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_values)
+        grad_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_grads)
         # (a function of the model alone: the capture holds no Recorder, and Dynamo traces it)
-        masks = functools.partial(token_masks, model, [s.name for s in self.layout.stacks], self._forward_params)
+        masks = functools.partial(token_masks, model, [s.name for s in self.layout.stacks], positional_names(model))
         self._capture = Capture(model, self.layout, options.max_calls, masks,
-                                value_stats=[self._quantities[n].site_value for n in self._value_stats],
-                                grad_stats=[self._quantities[n].site_grad for n in self._grad_stats])
+                                value_stats=[self._quantities[n].site_value for n in value_stats],
+                                grad_stats=[self._quantities[n].site_grad for n in grad_stats])
         self._capture.install(frozenset().union(*(q.captures for q in self._quantities.values())))
-        if self._scaler_watch.scaler is not None:  # (the scale each backward ran with: recorder/scaler_watch.py)
+        if self._scaler_watch.scaler is not None:  # (the scale each backward ran with: capture/scaler_watch.py)
             self._capture.after_backward = self._scaler_watch.backward_ended
         self._checks = StepChecks(model, self.layout, self._capture.points, options.max_calls, self._capture.grad_expected)
-        self._wants: set[str] = set()
-        self._buffer: StepBuffer | None = None
-        self._step: int | None = None
-        self._recording = False
-        self._late = LateRows(self._out, self._rows)  # a step's rows are built later (recorder/late_rows.py)
-        self._key_cache: dict = {}  # row keys kept from step to step (StepData.step_keys)
+        self._lr = LrSource(from_optimizer=optimizer is not None, asked="lr" in named)
+        end = StepEnd(model=model, layout=self.layout, groups=self.groups, capture=self._capture,
+                      scaler_watch=self._scaler_watch, checks=self._checks, quantities=self._quantities,
+                      value_stats=value_stats, grad_stats=grad_stats, lr=self._lr)
+        self._late = LateRows(self._out, end.rows)  # a step's rows are built later (rows/late_rows.py)
         self._updates = UpdateRatioHooks(self.groups, self._late.rows, self._checks.warn_once)
+        self._session = StepSession(capture=self._capture, checks=self._checks, late=self._late, outlet=self._out,
+                                    updates=self._updates, scaler_watch=self._scaler_watch, end=end,
+                                    quantities=self._quantities, named=named, every=every, slow_every=slow_every,
+                                    cosine_tokens=self.cosine_tokens, generator=self._generator, device=self.groups.device)
         self._closed = self._closed_inside = False
-        self._lr_from_optimizer = optimizer is not None
-        self._lr_logged, self._lr_checks = False, 0  # (a loop that logs lr itself: StepEnd._lr_unlogged)
         self._watching = watch is not None  # (the optimizer's step hooks then also tell Recorder.run a step inside it)
         if optimizer is not None:
             self.attach_optimizer(optimizer)
         self._replay = SpikeReplay(self, model, watch, self._grad_scale) if watch is not None else None
+        self._table = RecordedTable(late=self._late, outlet=self._out, store=self._store, generator=self._generator,
+                                    checks=self._checks, info=info, watch=self.watch)
         DynamoSettings.acquire(len(self._capture.hooks.modules))  # compiled: checkpointing, blocks compiled one by one
         self._release_settings = weakref.finalize(self, DynamoSettings.release)  # by close(), or when collected
         weakref.finalize(self, self._capture.dropped)  # (a Recorder collected inside a step disarms its hooks)
-        self._donation_off = [False]  # whether this Recorder's open step holds DonationOff
-        weakref.finalize(self, DonationOff.give_back, self._donation_off)  # (given back by a Recorder collected inside a step)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Measures ``update_ratio`` around ``optimizer.step()`` (hooks removed by ``close``).
@@ -200,7 +180,7 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
     # -- the step context ----------------------------------------------------------------
     def records(self, step: int) -> bool:
         """Whether ``step`` is recorded."""
-        return step % self.every == 0
+        return self._session.records(step)
 
     @contextlib.contextmanager
     def step(self, step: int) -> Iterator["Recorder"]:
@@ -222,69 +202,28 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
         if self._closed:
             raise RuntimeError("Recorder.step: the recorder is closed")
         step = step_index(step)
-        if self._step is not None:
-            raise RuntimeError(f"Recorder.step({step}): step {self._step} is still open (steps do not nest)")
-        self._step = step
+        if self._session.step is not None:
+            raise RuntimeError(f"Recorder.step({step}): step {self._session.step} is still open (steps do not nest)")
         try:
-            return self._open(step, replay)
+            if self._replay is not None and not replay:
+                self._replay.before()
+            return self._session.open(step, replay=replay, optimizer=self.optimizer)
         except BaseException:  # (a sink's write that failed, say): the step is not left open
             self.abort_step()
             raise
 
-    def _open(self, step: int, replay: bool) -> bool:
-        self._updates.expire(step, self._checks.warn_once)
-        if self._replay is not None and not replay:
-            self._replay.before()
-        if not (replay or self.records(step)):
-            self._out.ran(step)  # (a resumed run that runs a step owns it in log_dir: recorded or not)
-            return False
-        self._checks.begin(step)
-        self._late.begin(step)
-        slow = replay or step % (self.every * self.slow_every) == 0
-        self._wants = {n for n, q in self._quantities.items() if slow or not q.slow}
-        if "update_ratio" in self._wants and self.optimizer is not None:
-            self._updates.open(step)  # the next optimizer.step(), inside the step or after it
-        elif "update_ratio" in self._wants and "update_ratio" in self._named:
-            self._checks.warn_once("update_ratio", "update_ratio is measured around optimizer.step(): give the "
-                                   "Recorder the optimizer (Recorder(model, optimizer=opt), or rec.attach_optimizer(opt)); "
-                                   "until then it has no rows")
-        captures = set().union(*(self._quantities[q].captures for q in self._wants))
-        stats = any(n in self._wants for n in self._value_stats + self._grad_stats)
-        self._buffer = StepBuffer()
-        self._scaler_watch.begin()
-        self._updates.step_open, self._updates.lr_used = True, None
-        self._capture.begin(self._device(), captures, cosine_tokens=self.cosine_tokens, generator=self._generator,
-                            stats=stats)
-        DonationOff.take(self._donation_off)  # (a recorded graph's backward may run twice: wrappers.py)
-        self._recording = True
-        return True
-
     def end_step(self) -> None:
         """Closes the open step after backward and stores the step's rows."""
-        if self._step is None:
+        if self._session.step is None:
             if self._closed_inside:  # (close() discarded the step, and said so)
                 self._closed_inside = False
                 return
             raise RuntimeError("Recorder.end_step: no open step" + (" (the recorder is closed)" if self._closed else ""))
-        step = self._step
-        try:
-            if self._recording:
-                self._finish(step, self._wants)
-        finally:
-            self._capture.on = False
-            self._scaler_watch.end()
-            self._updates.step_open = False
-            self._step, self._buffer, self._recording = None, None, False
-            DonationOff.give_back(self._donation_off)
+        self._session.close(optimizer=self.optimizer)
 
     def abort_step(self) -> None:
         """Discards the open step (after an exception): nothing stored."""
-        self._capture.discard()
-        self._scaler_watch.end()
-        self._updates.step_open = False
-        self._updates.pending = None
-        self._step, self._buffer, self._recording = None, None, False
-        DonationOff.give_back(self._donation_off)
+        self._session.discard()
 
     @contextlib.contextmanager
     def paused(self) -> Iterator["Recorder"]:
@@ -295,12 +234,8 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
 
         A compiled model called inside compiles once more (its hooks are armed but silent).
         """
-        capture, was = self._capture, self._capture.on
-        capture.on = False
-        try:
+        with self._session.paused():
             yield self
-        finally:
-            capture.on = was and self._recording
 
     @property
     def closed(self) -> bool:
@@ -310,7 +245,7 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
     @property
     def open_step(self) -> int | None:
         """The step currently open, or None."""
-        return self._step
+        return self._session.step
 
     def log(self, quantity: str, value: float | torch.Tensor, *, step: int | None = None) -> None:
         """Logs a scalar (``loss``, ``val_loss``, ...) for the open step, or for ``step``.
@@ -320,29 +255,16 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
         in one step (once per micro-batch), a quantity gets rows with micro_step 0, 1, ...
         and their mean as the step's row (micro_step -1).
         """
-        elements = value.numel() if isinstance(value, torch.Tensor) else value.size if isinstance(value, np.ndarray) else 1
-        if elements != 1:
-            raise ValueError(f"Recorder.log({quantity!r}, ...): the value must be a scalar (a number, or a tensor or "
-                             f"array of one element), got {type(value).__name__} of shape {tuple(value.shape)}")
-        if isinstance(value, np.ndarray):
-            value = value.item()  # (one element: np.array([2.5]))
-        key = model_key(loggable(quantity, value, lr_from_optimizer=self._lr_from_optimizer))
-        self._lr_logged = self._lr_logged or quantity == "lr"
-        if self._buffer is not None and step in (None, self._step):
-            if isinstance(value, torch.Tensor):
-                self._buffer.add(key, value.detach().float().reshape(()))
-            else:
-                self._buffer.add_float(key, value)
+        key, value = log_key(quantity, value, lr_from_optimizer=self._lr.from_optimizer)
+        self._lr.log(quantity)
+        if self._session.log(key, value, step):
             return
         if step is None:
-            if self._step is None:
+            if self._session.step is None:
                 raise ValueError("Recorder.log: the recorder is closed, and no step is open" if self._closed
                                  else "Recorder.log: no open step; pass step=")
             return  # the open step is not recorded: nothing to log
-        self._late.rows(step, [key], np.array([float(value)]))
-
-    def _device(self) -> torch.device:
-        return self.groups.device()
+        self._session.log_later(key, value, step)
 
     def _grad_scale(self) -> torch.Tensor | None:
         """The scale the watch divides the gradients' norm by: None once ``scaler.unscale_``
@@ -352,13 +274,12 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer) and flushes and closes the sinks;
         the recorded table stays readable. A step still open is discarded, with a warning."""
-        if self._step is not None:
-            warnings.warn(f"gradscope: Recorder.close() inside step {self._step}: the step is discarded (no rows); "
+        if self._session.step is not None:
+            warnings.warn(f"gradscope: Recorder.close() inside step {self._session.step}: the step is discarded (no rows); "
                           "close the recorder after the step ends", stacklevel=2)
             self.abort_step()
             self._closed_inside = True  # (the step's own end then does nothing)
-        if self._lr_checks and self.optimizer is None:
-            self._lr_unlogged(closing=True)
+        self._lr.closing(self.optimizer, self._checks.warn_once)
         self._release_settings()  # once, whatever calls it first
         self._capture.remove()
         self._updates.remove()
@@ -379,3 +300,110 @@ class Recorder(RecordedTable, StepRunner, StepEnd):
     def site_names(self) -> list[str]:
         """The sites this recorder probes."""
         return self.layout.site_names()
+
+    # -- a step run as a closure, and the spike watch (replay/replay.py) -------------------
+    def run(self, step: int, closure: Callable[[], Any], *, log_loss: bool = True) -> Any:
+        """Runs one training step's forward and backward (all its micro-batches) as ``closure()``.
+
+        The step is recorded when the schedule says so; with ``on_spike="replay"`` every step
+        is watched and a spiking step the schedule skips is run again, recorded
+        (:mod:`gradscope.recorder.replay.replay`), its gradients left as the first run made them.
+
+        Args:
+            step: the step's index.
+            closure: forward and backward of the whole step; returns the step's loss (a 0-d
+                tensor or a number). It may run again, so it must not fetch data itself, and
+                the batch it captures must not be refilled in place while it may run.
+            log_loss: log the returned loss as ``loss`` on recorded steps (False when the
+                closure or the loop logs it).
+
+        Returns:
+            What the closure returned.
+        """
+        recorded = self.begin_step(step)
+        begun = self._updates.begun
+        try:
+            out = closure()
+            if log_loss and recorded and not self._closed:
+                self.log("loss", out)
+        except BaseException:
+            self.abort_step()
+            raise
+        self.end_step()
+        if self._replay is not None and self._updates.begun != begun:
+            raise RuntimeError(f"Recorder.run: the closure of step {step} stepped the optimizer; with on_spike it runs "
+                               "again on a spiking step, which would step it twice, and the watch would read the "
+                               "gradients after the update. Call optimizer.step() and zero_grad() after rec.run returns "
+                               "(the closure runs forward and backward only)")
+        if self._replay is not None and not self._closed:
+            self._replay.after(step, out, closure, recorded=recorded, log_loss=log_loss)
+        return out
+
+    def check_spike(self, step: int, loss: Any, rerun: Callable[[], Any], *, log_loss: bool = False) -> Reading:
+        """The watch for callbacks that open steps with ``begin_step``/``end_step``: after
+        ``end_step``, checks ``step``'s ``loss`` and gradient norm and replays it with
+        ``rerun`` (forward and backward of the whole step again) when it spiked unrecorded.
+
+        Raises:
+            RuntimeError: the Recorder was made without ``on_spike``; a step is still open
+                (call it after ``end_step``); the step was not opened with ``begin_step``.
+        """
+        if self._replay is None:
+            raise RuntimeError("Recorder.check_spike: the Recorder was made without on_spike ('replay')")
+        if self._session.step is not None:
+            raise RuntimeError(f"Recorder.check_spike({step}): step {self._session.step} is still open; call check_spike "
+                               "after end_step() (the replay opens the step again)")
+        return self._replay.after(step, loss, rerun, recorded=self.records(step), log_loss=log_loss)
+
+    @property
+    def watch(self) -> SpikeWatch | None:
+        """The spike watch (``watch.flagged``, ``watch.last``), or None without ``on_spike``."""
+        return self._replay.watch if self._replay is not None else None
+
+    @property
+    def grad_norm(self) -> torch.Tensor | None:
+        """The total gradient norm the watch took of the last step (0-d, on the device), for
+        ``torch.nn.utils.clip_grads_with_norm_``; None without ``on_spike``. With a
+        ``GradScaler`` it is divided by the scale: the norm after ``scaler.unscale_(opt)``."""
+        return self._replay.grad_norm if self._replay is not None else None
+
+    # -- the recorded table (rows/recorded_table.py) -------------------------------------
+    def state_dict(self) -> dict:
+        """Recorded rows, the sampling generator's state and the spike windows, as plain
+        containers and tensors (loads with ``torch.load(weights_only=True)``). With
+        ``log_dir`` the rows are on disk: the sinks are flushed first, so a checkpoint taken
+        now loses no recorded step if the run is killed later, and the state holds no rows."""
+        return self._table.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restores what :meth:`state_dict` saved (e.g. when resuming from a checkpoint);
+        rows a Recorder kept in memory go to this one's ``log_dir`` if it has one."""
+        self._table.load_state_dict(state)
+
+    def frame(self, *, gather: bool = False, dst: int = 0) -> pd.DataFrame | None:
+        """Everything recorded so far as the tidy table (docs/table.md).
+
+        Args:
+            gather: collect every rank's rows on rank ``dst``
+                (:func:`gradscope.distributed.gather_frame`). Collective: every rank must
+                call it; the other ranks get None.
+            dst: the rank that receives the gathered table.
+        """
+        return self._table.frame(gather=gather, dst=dst)
+
+    def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
+        """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``).
+
+        With ``gather=True`` every rank must call it; rank ``dst`` writes all ranks' rows
+        and the others write nothing.
+        """
+        self._table.save(path, gather=gather, dst=dst)
+
+    def flush(self) -> None:
+        """Writes what the sinks buffer (a part file for ``log_dir``, pending tracker rows) now."""
+        self._table.flush()
+
+    @property
+    def rows_in_memory(self) -> int:
+        """Rows kept in memory (none beyond a flush buffer with ``log_dir``)."""
+        return self._table.rows_in_memory

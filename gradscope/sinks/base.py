@@ -21,8 +21,10 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
+import pandas as pd
 
 from gradscope.table.keys import Key
+from gradscope.table.rows import RowStore
 
 
 
@@ -44,9 +46,16 @@ class RunInfo:
 
 
 class Sink:
-    """Base class: a destination for a run's rows. Subclasses override what they need."""
+    """Base class: a destination for a run's rows. Subclasses override what they need.
+
+    A sink that *keeps* the rows (``keeps_rows``: :class:`~gradscope.sinks.parquet.ParquetSink`)
+    reads them back (:meth:`frame`), so the Recorder keeps none in memory; it may also own
+    the steps a session ran (:meth:`ran`), write at a step's start (:meth:`writes_part_at`)
+    and take rows a checkpoint held in memory (:meth:`adopt`). A Recorder has at most one.
+    """
 
     info: RunInfo | None = None
+    keeps_rows: bool = False
 
     def open(self, info: RunInfo) -> None:
         """Called once, when the Recorder is made."""
@@ -65,6 +74,22 @@ class Sink:
     def close(self) -> None:
         """Flushes and releases files and handles; later calls do nothing."""
         self.flush()
+
+    def ran(self, step: int) -> None:
+        """A step that is not recorded ran (a sink that keeps rows owns it all the same)."""
+
+    def writes_part_at(self, waiting: int) -> bool:
+        """Whether :meth:`begin` writes out once ``waiting`` more step starts came (the
+        Recorder then builds the rows waiting for it first)."""
+        return False
+
+    def frame(self) -> pd.DataFrame | None:
+        """The rows this sink kept, as ``rec.frame()`` gives them (``keeps_rows``), else None."""
+        return None
+
+    def adopt(self, rows: RowStore) -> None:
+        """Takes rows a checkpoint held in memory (``keeps_rows``)."""
+        raise NotImplementedError(f"{type(self).__name__} keeps no rows")
 
 
 def series_name(key: Key, rank: int = 0) -> str:

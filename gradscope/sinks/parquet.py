@@ -60,6 +60,8 @@ class ParquetSink(Sink):
             none (the buffer is flushed on ``close()`` and at interpreter exit).
     """
 
+    keeps_rows = True
+
     def __init__(self, log_dir: str | os.PathLike, *, flush_every: int = 100) -> None:
         if isinstance(flush_every, bool) or not isinstance(flush_every, int) or flush_every < 1:
             raise ValueError(f"flush_every: must be an integer >= 1, got {flush_every!r}")

@@ -1,32 +1,5 @@
-"""Capture inside the graph: identity taps at the sites, statistics into device buffers.
-
-Hooks are installed once, when the Recorder is made, and removed by ``close()``; on a step
-that is not recorded each hook returns at once. On a recorded step:
-
-- a site's value passes through :class:`Tap`, an identity ``autograd.Function`` whose
-  backward also returns ‖grad‖² as the gradient of a small *collector* leaf vector, one slot
-  per (site, call). Autograd sums those into ``collector.grad``, so every activation-gradient
-  norm of a backward arrives in one vector, with no Python hook in the backward and no
-  host sync. The tap's output is a detached alias of its input (same storage, same version
-  counter), so an in-place op after a site behaves exactly as without the recorder;
-- run eagerly (not traced), a module's output is read more cheaply where that is exact: by
-  a pre-hook on the autograd node that made it, or on an alias of it
-  (:mod:`gradscope.recorder.capture.eager` says when). Other module inputs keep the Tap, whose
-  gradient is the one through that module alone;
-- forward statistics (the site's ‖h‖, a norm's w/σ, sampled rows for ``cosine``) are
-  written in place into device buffers;
-- when ``collector.grad`` is accumulated (the end of each backward) one hook copies it and the
-  forward buffer aside: one snapshot per micro-step.
-
-Everything a hook does is traceable by Dynamo, so ``torch.compile(model, fullgraph=True)``
-works with no graph break; whether a step records is a Python flag, so recorded and
-unrecorded steps compile one graph each and then never again. Nothing is re-run, nothing
-draws from the global RNG, no buffer of the user's is touched, and values reach the host
-once per recorded step.
-
-A module called several times in one forward (a shared layer) gets one slot per call, up
-to ``max_calls``; later calls add into the last slot (and the Recorder warns).
-"""
+"""The Capture: the state of a Recorder's permanent hooks and the device buffers they write
+(how it works: :mod:`gradscope.recorder.capture`)."""
 
 from __future__ import annotations
 
@@ -39,23 +12,21 @@ from functools import partial
 import torch
 from torch import nn
 
+from gradscope.recorder.capture.buffer_layout import FIRST_USER, MISFIT, REACHED_IF_TAPPED, VALUE, Arrivals, Snapshot
 from gradscope.recorder.capture.cosine_rows import CosineRows
 from gradscope.recorder.capture.eager import EagerGrads, joined
 from gradscope.recorder.capture.hookset import HookSet
 from gradscope.recorder.discovery.layout import Layout
-from gradscope.recorder.capture.observe import FWD, SiteObserver
 from gradscope.recorder.capture.signals import Signals
 from gradscope.recorder.capture.site_plan import fully_sharded, plan_sites
-from gradscope.recorder.capture.site_hooks import (_KINDS, _LIVE, _KEYS, GRAD_EXPECTED, TAPPED, _input_hook, _norm_hook,
-                                             _output_hook, _root_hook, _tag, _tagged, forget)
+from gradscope.recorder.capture.site_hooks import _KEYS, _LIVE, GRAD_EXPECTED, TAPPED, forget, install_site_hooks
+from gradscope.recorder.numerics.norm_stats import LOW_PRECISION, fit_norm, norm_gain, w_over_sigma
 from gradscope.recorder.numerics.squared_norms import NormBatch, Reused
-from gradscope.recorder.capture.taps import in_backward
+from gradscope.recorder.capture.taps import first_tensor, in_backward, main_input, replace_first, statistic
 from gradscope.recorder.capture.writers import EagerWriter, TracedWriter
 
-REACHED, REACHED_IF_TAPPED = 1, 2  # a slot's gradient arrived; a compiled backward ran (see Capture.snapshot)
 
-
-class Capture(SiteObserver):
+class Capture:
     """The permanent hooks of a Recorder and the device buffers they write.
 
     Args:
@@ -64,7 +35,7 @@ class Capture(SiteObserver):
         max_calls: slots per site for a module called several times per forward.
         token_masks: callable (args, kwargs) -> {stack: (B, T) bool} for ``cosine`` weights.
         value_stats: user statistics of a site's forward value (quantities' ``site_value``):
-            forward-buffer channel ``FWD + k``.
+            forward-buffer channel ``FIRST_USER + k``.
         grad_stats: user statistics of a site's gradient (``site_grad``): collector slots
             ``slot + (k + 1)·n_taps``.
     """
@@ -80,7 +51,7 @@ class Capture(SiteObserver):
         self.points = list(layout.probes)
         self.n_taps = len(self.points) * max_calls
         self.value_stats, self.grad_stats = tuple(value_stats), tuple(grad_stats)
-        self.width = FWD + len(self.value_stats)  # forward-buffer channels
+        self.width = FIRST_USER + len(self.value_stats)  # forward-buffer channels
         self.n_collector = self.n_taps * (1 + len(self.grad_stats))
         self.stats_now = False  # user statistics are taken in the open step
         self.grad_stats_now: tuple = ()
@@ -105,8 +76,7 @@ class Capture(SiteObserver):
         self._no_grads: torch.Tensor | None = None  # the collector's gradient of a backward that gave it none: zeros
         self._indices: list[tuple[list[int], torch.Tensor] | None] = [None, None]  # (slots, on the device): Capture._index
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
-        # per snapshot: (collector gradient, forward buffer, host marks, (every tap's arrival, slots that arrived))
-        self.snapshots: list[tuple[torch.Tensor, torch.Tensor, array, tuple[int, list[int]]]] = []
+        self.snapshots: list[Snapshot] = []
         # eager fast path: marks on the host, values and gradient norms gathered per micro-step. An
         # array of doubles: setting an item costs a third of a numpy array's (25 against 80 ns), and
         # numpy reads it without a copy when the rows are built (a list took 40 µs a snapshot)
@@ -132,18 +102,10 @@ class Capture(SiteObserver):
     def install(self, captures: frozenset[str] = frozenset()) -> None:
         """Registers every hook (once per Recorder); ``captures``: what the Recorder's
         quantities may capture (the forward signals' hooks are installed only if asked for)."""
-        hooks = self.hooks
-        hooks.forward_pre(self.model, _root_hook(self.key))
-        for j, norm in enumerate(self.layout.norms):  # before the site taps: sees the norm's raw output
-            hooks.forward(norm.module, *_tagged(_norm_hook, _tag(self.key, j, _KINDS.index(self._norm_kind[j]))))
-        for i, p in enumerate(self.points):
-            tagged = _tagged(_output_hook if p.where == "output" else _input_hook, _tag(self.key, i, self._site_flags(i)))
-            if p.where == "output":
-                hooks.forward(p.module, *tagged)
-            else:
-                hooks.forward_pre(p.module, *tagged)
-        self.signals.install(hooks, attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
-        hooks.run_eagerly_as_frames_of_their_own()
+        install_site_hooks(self.hooks, self.key, self.model, norms=list(zip(self.layout.norms, self._norm_kind)),
+                           sites=[(p, self._site_flags(i)) for i, p in enumerate(self.points)])
+        self.signals.install(self.hooks, attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
+        self.hooks.run_eagerly_as_frames_of_their_own()
 
     def discard(self) -> None:
         """Disarms the hooks and drops what the open step captured so far."""
@@ -220,7 +182,7 @@ class Capture(SiteObserver):
         self.hooks.arm()
         self.on = True
 
-    def end(self) -> tuple[list[tuple[torch.Tensor, torch.Tensor, list[float], tuple[int, list[int]]]], list[int]]:
+    def end(self) -> tuple[list[Snapshot], list[int]]:
         """Disarms the hooks; returns the step's snapshots (‖grad‖² per tap, forward buffer,
         host marks, which gradients arrived), one per backward and a last one for forward work after the last
         backward, and the call counts."""
@@ -255,7 +217,6 @@ class Capture(SiteObserver):
             grads = self._no_grads
         self.collector.grad = None
         arrived, sq = self.eager.take()
-        reached = (every, list(arrived))
         slots, sq = joined(arrived, sq, self.eager.pending)
         if slots:
             grads = grads.index_add(0, self._index(slots, 0), sq.to(self.device))
@@ -268,7 +229,8 @@ class Capture(SiteObserver):
         if slots:  # (‖h‖² added: a slot that several forwards of the micro-step wrote holds their sum)
             fwd.view(-1).index_add_(0, self._index(slots, 1), sq.to(self.device))
         # (the sites' ‖h‖² go to the host as they are, the square roots taken with the rows: finish.step_rows)
-        self.snapshots.append((grads, fwd, self.marks, reached))  # (the marks array is this snapshot's from now)
+        # (the marks array is this snapshot's from now)
+        self.snapshots.append(Snapshot(grads, fwd, self.marks, Arrivals(every, list(arrived))))
         self.marks = array("d", self._no_marks)
         self.pending_fwd.clear()
         self.pending_sq.clear()
@@ -352,6 +314,83 @@ class Capture(SiteObserver):
         self.value_sq.passed_on(t, out)
         self.values.passed_on(t, out)
         return out
+
+    def _observe(self, i: int, t: torch.Tensor, module_args: tuple, flags: int) -> torch.Tensor | None:
+        """Statistics of one site value; returns the tapped value (or None to keep it).
+        ``module_args``: (args, kwargs) of the module whose output ``t`` is; ``flags``: the
+        site's :data:`TAPPED` and :data:`GRAD_EXPECTED` (from its hook's tag)."""
+        if torch.compiler.is_compiling():  # (first: Dynamo then reads none of the attributes below)
+            w = self._traced
+        elif self._quick_now and self._quick[i] and torch._C._current_autograd_node() is None:
+            return self._observe_eagerly(i, t, flags)
+        else:
+            w = self._eager_writer
+        c, recompute = w.call(i)
+        slot = i * self.K + c
+        grad = self.want_grad and t.requires_grad and torch.is_grad_enabled()
+        if not recompute:
+            self.seq += 1
+            w.mark(slot, self.seq if grad and flags & GRAD_EXPECTED else -self.seq)
+            if self.want_value:
+                w.value(slot, t)
+            if self.stats_now:
+                for k, f in enumerate(self.value_stats):
+                    w.put(slot, FIRST_USER + k, statistic(f, t.detach(), f"site {self.points[i].name!r}"))
+            if self.want_cosine and c == 0:
+                self.cosine.sample(self.points[i].name, t)
+        if not (grad and flags & TAPPED):
+            return None
+        return w.tap(i, t, slot, recompute, module_args)
+
+    def _observe_eagerly(self, i: int, t: torch.Tensor, flags: int) -> torch.Tensor | None:
+        """:meth:`_observe` of a :attr:`_quick` site, eagerly, outside a recompute, in a step
+        without user statistics or cosine samples: the :class:`EagerWriter`'s work in one frame."""
+        calls, K = self.calls, self.K
+        c = calls.get(i, 0)
+        calls[i] = c + 1
+        slot = i * K + (c if c < K else K - 1)
+        grad = self.want_grad and t.requires_grad and torch.is_grad_enabled()
+        self.seq = seq = self.seq + 1
+        self.marks[slot] = seq if grad and flags & GRAD_EXPECTED else -seq
+        if self.want_value:
+            self.values.add(slot, t)
+        if not (grad and flags & TAPPED):
+            return None
+        out = t[...]  # the alias whose kept gradient is the site's (EagerWriter.tap)
+        self.eager.retain(out, slot, False)
+        self.values.passed_on(t, out)  # (value_sq serves only models without the promise)
+        return out
+
+
+    def _norm_output(self, module, args, kwargs, output, j: int, kind: str | None):
+        counter, point = len(self.points) + j, self._norm_in[j]
+        found, y = main_input(args, kwargs), first_tensor(output)
+        if found is None or y is None or found[1].is_nested or y.is_nested or found[1].shape != y.shape:
+            return None  # (a nested tensor, nn.TransformerEncoder's fast path: no per-token rows to read a norm from)
+        x, w = found[1], self.writer()
+        c, recompute = w.call(counter)
+        grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad
+                and torch.is_grad_enabled())
+        wsig = self.want_wsig and not recompute
+        # a closed form read from bf16/fp16 tensors is not exact (up to 5e-3 off): flagged, no rows, no fit
+        exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
+        fit = fit_norm(module, x, y) if kind == "fit" and (grad or wsig) and exact else None  # one fit serves both
+        slot = self.n_taps + j * self.K + c
+        if fit is not None and not recompute:
+            w.put(slot, MISFIT, fit.misfit)
+        elif not exact and kind not in (None, "ln") and (grad or wsig) and not recompute:
+            w.put(slot, MISFIT, x.new_full((), LOW_PRECISION, dtype=torch.float32))
+        if wsig:
+            value = w_over_sigma(module, x, y, fit)
+            if value is not None:
+                w.mark(slot, 1.0)
+                w.put(slot, VALUE, value)
+        gain = norm_gain(module, kind, x, fit) if grad else None
+        if gain is None:
+            return None
+        gain_w, is_ln, eps, dims = gain
+        tapped = w.norm_tap(y, x, point * self.K + c, kind, gain_w, is_ln, eps, dims)
+        return replace_first(output, tapped)
 
     def _site_flags(self, i: int) -> int:
         return (TAPPED if self._taps[i] else 0) | (GRAD_EXPECTED if self.grad_expected[i] else 0)

@@ -87,6 +87,22 @@ def _norm_hook(tag: int, module, args, kwargs, output):
     return cap._norm_output(module, args, kwargs, output, tag & _MASK, _KINDS[tag >> _FLAGS & 255])
 
 
+def install_site_hooks(hooks, key: int, model, *, norms: list, sites: list) -> None:
+    """Registers a Capture's permanent hooks in ``hooks`` (a :class:`~gradscope.recorder.capture.hookset.HookSet`):
+    the root's pre-hook, each norm's forward hook (``norms``: (norm, kind) pairs, before the
+    site taps so that it sees the norm's raw output), and each site's hook on its module's
+    output or input (``sites``: (site, flags) pairs). ``key``: the Capture's in :data:`_LIVE`."""
+    hooks.forward_pre(model, _root_hook(key))
+    for j, (norm, kind) in enumerate(norms):
+        hooks.forward(norm.module, *_tagged(_norm_hook, _tag(key, j, _KINDS.index(kind))))
+    for i, (site, flags) in enumerate(sites):
+        tagged = _tagged(_output_hook if site.where == "output" else _input_hook, _tag(key, i, flags))
+        if site.where == "output":
+            hooks.forward(site.module, *tagged)
+        else:
+            hooks.forward_pre(site.module, *tagged)
+
+
 def forget(key: int) -> None:
     """Drops a Capture from the registry its hooks read (by ``close()``, or when its Recorder
     is collected); hooks still installed then return at once."""

@@ -28,7 +28,7 @@ class UpdateRatioHooks:
                  warn: Callable[[str, str], None] = lambda topic, message: None) -> None:
         self.groups, self.emit, self.warn = groups, emit, warn
         self.pending: int | None = None  # the recorded step whose update is measured next (:meth:`open`)
-        self.step_open = False  # a recorded step is open (the Recorder sets it)
+        self.step_open = False  # a recorded step is open (:meth:`step_opened`, :meth:`step_closed`)
         self.lr_used = None  # the first group's lr when the optimizer stepped inside the open recorded step
         self._before: list[torch.Tensor] | None = None
         self._stepping = False  # between the optimizer's pre- and post-step hooks
@@ -58,6 +58,16 @@ class UpdateRatioHooks:
         self.pending = step
         if self._stepping:
             self._before = [p.detach().clone() for p in self.groups.params]
+
+    def step_opened(self) -> None:
+        """A recorded step opens (an update inside it reads its lr afresh)."""
+        self.step_open, self.lr_used = True, None
+
+    def step_closed(self, *, discarded: bool = False) -> None:
+        """The open recorded step ends; ``discarded``: it was aborted, so no update is measured for it."""
+        self.step_open = False
+        if discarded:
+            self.pending = None
 
     def expire(self, step: int, warn: Callable[..., None]) -> None:
         """A new step opens: a recorded step whose optimizer never stepped (a GradScaler that

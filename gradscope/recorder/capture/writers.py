@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from gradscope.recorder.capture.buffer_layout import ORDER, VALUE
 from gradscope.recorder.capture.eager import hookable
 from gradscope.recorder.numerics.squared_norms import squared_norm
 from gradscope.recorder.capture.taps import NormTap, Tap
@@ -32,7 +33,7 @@ class TracedWriter:
         return self.capture.next_call(i), False
 
     def mark(self, slot: int, order: float) -> None:
-        self._write(slot, 0, torch.full((1,), order, device=self.capture.fwd.device))
+        self._write(slot, ORDER, torch.full((1,), order, device=self.capture.fwd.device))
 
     def put(self, slot: int, channel: int, value: torch.Tensor) -> None:
         self._write(slot, channel, value.reshape(1))
@@ -40,7 +41,7 @@ class TracedWriter:
     def value(self, slot: int, t: torch.Tensor) -> None:
         """‖t‖² added into the value channel (the snapshot takes the square root: every
         forward of a micro-step counts, as its gradients do)."""
-        self._write(slot, 1, squared_norm(t).reshape(1), accumulate=True)
+        self._write(slot, VALUE, squared_norm(t).reshape(1), accumulate=True)
 
     def _write(self, slot: int, channel: int, value: torch.Tensor, accumulate: bool = False) -> None:
         """``fwd[slot, channel] = value`` (or ``+=``) as ``index_put_``: Inductor writes that

@@ -31,6 +31,7 @@ import dataclasses
 import difflib
 import fnmatch
 import re
+import warnings
 from dataclasses import dataclass, field
 
 from torch import nn
@@ -40,6 +41,7 @@ from gradscope.recorder.discovery.module_class import own_class
 from gradscope.recorder.discovery.norm_modules import KNOWN_NORMS, is_norm, wraps_a_bare_norm  # noqa: F401  (re-exported)
 from gradscope.recorder.discovery.param_grouping import fill_groups, outside_groups
 from gradscope.table import ROLES, ZOO_SUFFIX_ROLES  # noqa: F401  (ROLES re-exported: what a site can be)
+from gradscope.user_frames import user_stacklevel
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _ZOO_LAYER = re.compile(r"^(?P<stack>[^.]+)\.layers\.(?P<i>\d+)(\.|$)")
@@ -90,6 +92,14 @@ class Layout:
     foreign: bool = False
     group_roles: dict[str, str] = field(default_factory=dict)  # group -> PARAM_ROLES entry ("" when absent)
     not_norms: list[str] = field(default_factory=list)  # *Norm modules left out (parameters of more than one dimension)
+
+    def warn_not_norms(self) -> None:
+        """Warns (at the user's line) of the *Norm modules left out as norms, if any."""
+        if self.not_norms:
+            warnings.warn(f"gradscope: {self.not_norms[:4]}{' ...' if len(self.not_norms) > 4 else ''} "
+                          "are named *Norm but hold parameters of more than one dimension (a per-head gain, as "
+                          "Cohere's q/k norms), which the recorder does not read as a norm: they have no norm sites, "
+                          "ln_gain or w/sigma rows", stacklevel=user_stacklevel())
 
     def site_names(self) -> list[str]:
         """All site names, in module order."""

@@ -13,7 +13,7 @@ from gradscope.recorder.quantities.combine import Row, combine
 from gradscope.table.keys import Key
 
 
-@dataclass
+@dataclass(kw_only=True)
 class StepData:
     """One recorded step on the host, after its single device→host transfer.
 

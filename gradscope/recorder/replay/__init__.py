@@ -1,6 +1,6 @@
-"""Spike replay (``Recorder(on_spike="replay")``): every step watched cheaply, a spiking one
-recorded by running it again (:mod:`.replay`), and the Recorder's entry points that run a
-step's closure (:mod:`.step_runner`).
+"""Spike replay (``Recorder(on_spike="replay")``): every step watched cheaply, and a spiking
+step the schedule skips recorded by running it again (:mod:`.replay`).
 
-Imports the parts below it.
+Imports the parts before it; it drives a Recorder through the small protocol
+:class:`.replay.Recording` rather than importing it.
 """

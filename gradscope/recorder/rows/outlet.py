@@ -39,8 +39,8 @@ def make_sinks(log_dir: str | os.PathLike | None, flush_every: int, sinks) -> li
             raise ValueError("log_dir: an empty path; give the run's folder (Recorder(log_dir='runs/exp1')), or None to "
                              "keep the table in memory")
         sinks.insert(0, ParquetSink(log_dir, flush_every=flush_every))
-    if sum(isinstance(s, ParquetSink) for s in sinks) > 1:
-        raise ValueError("sinks: at most one ParquetSink (log_dir=) per Recorder")
+    if sum(s.keeps_rows for s in sinks) > 1:
+        raise ValueError("sinks: at most one sink that keeps the rows (a ParquetSink, log_dir=) per Recorder")
     return sinks
 
 
@@ -56,7 +56,7 @@ class Outlet:
 
     def __init__(self, store: RowStore, sinks: list[Sink], info: RunInfo, spikes: SpikeDetector | None) -> None:
         self.sinks, self.info, self.spikes = sinks, info, spikes
-        self.disk = next((s for s in sinks if isinstance(s, ParquetSink)), None)
+        self.disk = next((s for s in sinks if s.keeps_rows), None)  # (make_sinks allows one)
         self.memory = store if self.disk is None else None
         opened = []
         try:
@@ -75,8 +75,8 @@ class Outlet:
 
     def ran(self, step: int) -> None:
         """A step that is not recorded ran (the ``log_dir`` sink notes that this session owns it)."""
-        if self.disk is not None:
-            self.disk.ran(step)
+        for s in self.sinks:
+            s.ran(step)
 
     def append(self, step: int, keys: list[Key], values: np.ndarray) -> None:
         """One piece of step ``step``'s rows (the spike rows it causes are added to it)."""
@@ -94,7 +94,7 @@ class Outlet:
     def writes_part_at(self, waiting: int) -> bool:
         """Whether the ``log_dir`` sink writes a part at the next step start, after
         ``waiting`` step starts that have not reached it yet."""
-        return self.disk is not None and self.disk.writes_part_at(waiting)
+        return any(s.writes_part_at(waiting) for s in self.sinks)
 
     def frame(self) -> pd.DataFrame | None:
         """The rows written to disk so far, or None when they are kept in memory."""

@@ -1,6 +1,7 @@
-"""One recorded step's end: the quantities' device values taken to the host in one transfer
-(:mod:`.step_end`), those values turned into rows (:mod:`.finish`), and what the user is
-told about the step (:mod:`.checks`, :mod:`.arguments`).
+"""The end of a recorded step: the quantities collect their device values and the step's
+values reach the host in one transfer (:mod:`.step_end`), those host values become rows
+(:mod:`.finish`), and what the user is told about a step (:mod:`.checks`) or its arguments
+(:mod:`.arguments`).
 
-Imports the parts below it: numerics, discovery, capture, quantities.
+Imports the parts before it: numerics, discovery, capture, quantities.
 """

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import numbers
 
+import numpy as np
 import torch
 from torch import nn
 
 from gradscope.recorder.quantities.registry import REGISTRY
+from gradscope.table.keys import Key, model_key
 
 
 def checked_arguments(model, *, every, slow_every, optimizer, run) -> tuple[int, int]:
@@ -67,3 +69,20 @@ def loggable(quantity: str, value, *, lr_from_optimizer: bool) -> str:
                         f"got {type(value).__name__}")
     return quantity
 
+
+def log_key(quantity: str, value, *, lr_from_optimizer: bool) -> tuple[Key, float | torch.Tensor]:
+    """The row key and the value of ``Recorder.log(quantity, value)``, checked: a scalar
+    (a number, or a tensor or array of one element; an array becomes its number) under a
+    name :func:`loggable` takes.
+
+    Raises:
+        ValueError: the value has several elements, or the name is not loggable.
+        TypeError: the value is no number.
+    """
+    elements = value.numel() if isinstance(value, torch.Tensor) else value.size if isinstance(value, np.ndarray) else 1
+    if elements != 1:
+        raise ValueError(f"Recorder.log({quantity!r}, ...): the value must be a scalar (a number, or a tensor or "
+                         f"array of one element), got {type(value).__name__} of shape {tuple(value.shape)}")
+    if isinstance(value, np.ndarray):
+        value = value.item()  # (one element: np.array([2.5]))
+    return model_key(loggable(quantity, value, lr_from_optimizer=lr_from_optimizer)), value

@@ -48,6 +48,10 @@ class StepChecks:
             self.warned.add(topic)
             warnings.warn(f"gradscope: {message}", stacklevel=user_stacklevel())
 
+    def resume(self, last: int | None) -> None:
+        """A checkpoint was loaded whose highest recorded step is ``last`` (None: none)."""
+        self.last_recorded = last
+
     def begin(self, step: int) -> None:
         """A recorded step opens: warns (once) when it repeats or goes back, and notes the
         gradients' versions until a hook has fired (to tell an unhooked compiled model)."""

@@ -9,27 +9,26 @@ from array import array
 
 import numpy as np
 
-from gradscope.recorder.capture.capture import REACHED, REACHED_IF_TAPPED
-from gradscope.recorder.capture.observe import FWD
+from gradscope.recorder.capture.buffer_layout import FIRST_USER, MISFIT, ORDER, REACHED, REACHED_IF_TAPPED, VALUE, Arrivals
 from gradscope.recorder.numerics.norm_stats import GUESSED, LOW_PRECISION, UNTOLD
 from gradscope.recorder.quantities.quantity import Quantity, checked_rows
 from gradscope.recorder.quantities.step_data import StepData
 from gradscope.table.keys import Key
 
-MISFIT = 1e-9  # a fitted norm whose residual exceeds this share of Var(y) is not of the form g·x̂ + b
+MISFIT_LIMIT = 1e-9  # a fitted norm whose residual exceeds this share of Var(y) is not of the form g·x̂ + b
 # (an exact norm's residual is fp32 rounding, ~1e-14; a DyT norm's or an eps outside the square root, 1e-7
 # to 1e-5, already moves the gradient through it by 0.1-0.5 %)
 
 SCALE = "__scale__"
 
 
-def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n_collector: int, width: int = FWD
+def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n_collector: int, width: int = FIRST_USER
                 ) -> tuple[np.ndarray, ...]:
     """Splits the captured snapshots into micro-steps: the collector's gradient (M, n_collector:
     ‖grad‖² per tap, then the user statistics), whether each tap's gradient arrived (M, taps:
     ``REACHED``, ``REACHED_IF_TAPPED`` or 0), which slots a compiled call marked (M, slots),
     order and value (M, slots), the user
-    statistics' forward channels (M, slots, width − FWD), and each slot's largest norm-fit
+    statistics' forward channels (M, slots, width − FIRST_USER), and each slot's largest norm-fit
     misfit over the step.
 
     Each snapshot is one backward's collector gradient followed by the forward buffer (eager
@@ -39,11 +38,11 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n
     neither is dropped.
     """
     grads, fwd = snapshots[:, :n_collector], snapshots[:, n_collector:].reshape(len(snapshots), -1, width).copy()
-    traced = fwd[:, :, 0] != 0  # compiled calls mark on the device, eager ones on the host (``marks``)
-    fwd[:, :, 0] += marks
-    keep_g, keep_r, keep_t, keep_f, misfit = [], [], [], [], fwd[:, :, 2].max(axis=0)
+    traced = fwd[:, :, ORDER] != 0  # compiled calls mark on the device, eager ones on the host (``marks``)
+    fwd[:, :, ORDER] += marks
+    keep_g, keep_r, keep_t, keep_f, misfit = [], [], [], [], fwd[:, :, MISFIT].max(axis=0)
     for g, r, t, f in zip(grads, reached, traced, fwd):
-        called = bool((f[:, 0] != 0).any())
+        called = bool((f[:, ORDER] != 0).any())
         if not called:
             if keep_g:
                 keep_g[-1] = keep_g[-1] + g
@@ -56,27 +55,26 @@ def micro_steps(snapshots: np.ndarray, marks: np.ndarray, reached: np.ndarray, n
     if not keep_g:
         n = fwd.shape[1]
         return (np.zeros((0, n_collector)), np.zeros((0, reached.shape[1]), dtype=np.int8), np.zeros((0, n), dtype=bool),
-                np.zeros((0, n)), np.zeros((0, n)), np.zeros((0, n, width - FWD)), misfit)
+                np.zeros((0, n)), np.zeros((0, n)), np.zeros((0, n, width - FIRST_USER)), misfit)
     f = np.stack(keep_f)
-    return np.stack(keep_g), np.stack(keep_r), np.stack(keep_t), f[:, :, 0], f[:, :, 1], f[:, :, FWD:], misfit
+    return np.stack(keep_g), np.stack(keep_r), np.stack(keep_t), f[:, :, ORDER], f[:, :, VALUE], f[:, :, FIRST_USER:], misfit
 
 
-def host_marks(marks: list[tuple[array, tuple[int, list[int]]]], n_taps: int) -> tuple[np.ndarray, np.ndarray]:
+def host_marks(marks: list[array], arrivals: list[Arrivals], n_taps: int) -> tuple[np.ndarray, np.ndarray]:
     """The snapshots' host marks as arrays: the order marks eager calls set (M, slots), and
-    whether each tap's gradient arrived (M, taps: ``REACHED``, ``REACHED_IF_TAPPED`` or 0),
-    from each snapshot's (code of every tap, slots whose gradient was handed over)."""
-    reached = np.empty((len(marks), n_taps), dtype=np.int8)
-    for row, (_, (every, arrived)) in zip(reached, marks):
-        row[:] = every
-        row[arrived] = REACHED
-    return np.array([np.frombuffer(m, dtype=np.float64) for m, _ in marks], dtype=np.float64), reached
+    whether each tap's gradient arrived (M, taps: ``REACHED``, ``REACHED_IF_TAPPED`` or 0)."""
+    reached = np.empty((len(arrivals), n_taps), dtype=np.int8)
+    for row, arrival in zip(reached, arrivals):
+        row[:] = arrival.every
+        row[arrival.slots] = REACHED
+    return np.array([np.frombuffer(m, dtype=np.float64) for m in marks], dtype=np.float64), reached
 
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
               wants: set[str], params_unscaled: bool | None, backwards: int = 1, grad_forwards: int = 1,
               forwards: int | None = None, call_counts: list[int] | None = None,
               value_stats: tuple[str, ...] = (),
-              grad_stats: tuple[str, ...] = (), width: int = FWD, key_cache: dict | None = None
+              grad_stats: tuple[str, ...] = (), width: int = FIRST_USER, key_cache: dict | None = None
               ) -> tuple[list, np.ndarray, StepData]:
     """The rows of one recorded step, in the order of ``quantities`` (the Recorder's).
 
@@ -130,8 +128,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     calls = misfit[base: base + len(names) * K].reshape(len(names), K)  # (norms, calls)
     worst = calls.max(axis=1)  # (NaN if a call's input held an inf or a NaN: then no mark below holds)
     unfit, low, untold, guessed = ({names[j] for j in np.flatnonzero(flag).tolist()} for flag in (
-        (calls > MISFIT).any(axis=1), worst >= LOW_PRECISION, (UNTOLD <= worst) & (worst < LOW_PRECISION),
-        (GUESSED <= worst) & (worst <= MISFIT)))
+        (calls > MISFIT_LIMIT).any(axis=1), worst >= LOW_PRECISION, (UNTOLD <= worst) & (worst < LOW_PRECISION),
+        (GUESSED <= worst) & (worst <= MISFIT_LIMIT)))
     for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows
         if n.name in unfit and n.site_in in index:
             i = index[n.site_in]
@@ -148,9 +146,11 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
             merged[i * K + K - 1] = True
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
     user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
-    data = StepData(layout, points, K, grad_sq, arrived, order, value, device, blocks, unfit, no_backward, low,
-                    user_values, user_grads, untold, guessed, traced=traced[:, :n_taps], backwards=backwards,
-                    grad_forwards=grad_forwards, key_cache={} if key_cache is None else key_cache, merged=merged)
+    data = StepData(layout=layout, points=points, K=K, grad_sq=grad_sq, arrived=arrived, order=order, value=value,
+                    device=device, blocks=blocks, unfit=unfit, no_backward=no_backward, low_precision=low,
+                    user_values=user_values, user_grads=user_grads, untold=untold, guessed=guessed,
+                    traced=traced[:, :n_taps], backwards=backwards, grad_forwards=grad_forwards,
+                    key_cache={} if key_cache is None else key_cache, merged=merged)
     rows: list = []
     for name, quantity in quantities.items():
         if name in wants and not quantity.logged:

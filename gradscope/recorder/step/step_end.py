@@ -1,75 +1,110 @@
-"""The end of a recorded step, as a mixin of :class:`~gradscope.recorder.recorder.Recorder`:
-:meth:`StepEnd._finish` lets each quantity add its device values to the step's buffer and
-takes them to the host in the step's one transfer; :meth:`StepEnd._rows` turns those host
-values into rows later (:class:`~gradscope.recorder.rows.late_rows.LateRows` calls it, in bulk).
+"""The end of a recorded step: :meth:`StepEnd.finish` lets each quantity add its device values
+to the step's buffer and takes them to the host in the step's one transfer
+(:class:`HostStep`); :meth:`StepEnd.rows` turns those host values into rows later
+(:class:`~gradscope.recorder.rows.late_rows.LateRows` calls it, in bulk).
 """
 
 from __future__ import annotations
 
 import contextlib
+from array import array
+from dataclasses import dataclass
 
-import torch
 import numpy as np
+import torch
+from torch import nn
 
+from gradscope.recorder.capture.buffer_layout import Arrivals
+from gradscope.recorder.capture.capture import Capture
+from gradscope.recorder.capture.params import ParamGroups
+from gradscope.recorder.capture.scaler_watch import ScalerWatch
+from gradscope.recorder.capture.store import StepBuffer, Transferred
+from gradscope.recorder.discovery.layout import Layout
+from gradscope.recorder.quantities.built_in import LrSource
 from gradscope.recorder.quantities.context import StepContext
+from gradscope.recorder.quantities.quantity import Quantity
+from gradscope.recorder.step.checks import StepChecks
 from gradscope.recorder.step.finish import SCALE, host_marks, step_rows
 from gradscope.table.keys import model_key
 
 
-class StepEnd:
-    """The end-of-step half of a :class:`~gradscope.recorder.recorder.Recorder` (its
-    attributes are the Recorder's)."""
+@dataclass
+class HostStep:
+    """A recorded step's values on the host, waiting to become rows (no device tensor)."""
 
-    def _finish(self, step: int, wants: set[str]) -> None:
-        buf = self._buffer
-        with no_autocast(self._capture.device):  # leaving the step inside autocast must not lower precision
-            snapshots, calls = self._capture.end()
-            scale = self._scaler_watch.step_scale()  # (the backward's: scaler.update() may have run since)
+    values: Transferred  # every value of the step, in one transfer
+    marks: list[array]  # per snapshot: the order marks eager calls set on the host
+    arrivals: list[Arrivals]  # per snapshot: which taps' gradients arrived
+    wants: set[str]  # the quantities the step took
+    calls: list[int]  # each counter's calls in the last forward
+    params_unscaled: bool | None  # whether the loop unscaled the gradients (None: not known)
+    backwards: int  # backwards the capture saw in the step
+    grad_forwards: int  # forwards that ran with grad enabled
+    forwards: int  # forwards, with grad or without
+
+
+class StepEnd:
+    """Ends one Recorder's recorded steps and builds their rows.
+
+    Args:
+        model, layout, groups: the recorded model, its layout and parameter groups.
+        capture: the Recorder's capture (the step's snapshots, call counts, site plan).
+        scaler_watch: the GradScaler's scale of the step's backward.
+        checks: what the user is told about a recorded step.
+        quantities: the Recorder's quantities, in the order their rows come.
+        value_stats, grad_stats: the names of the quantities whose ``site_value`` /
+            ``site_grad`` the capture takes, in its channel order.
+        lr: where ``lr`` comes from.
+    """
+
+    def __init__(self, *, model: nn.Module, layout: Layout, groups: ParamGroups, capture: Capture,
+                 scaler_watch: ScalerWatch, checks: StepChecks, quantities: dict[str, Quantity],
+                 value_stats: tuple[str, ...], grad_stats: tuple[str, ...], lr: LrSource) -> None:
+        self.model, self.layout, self.groups, self.capture = model, layout, groups, capture
+        self.scaler_watch, self.checks, self.quantities, self.lr = scaler_watch, checks, quantities, lr
+        self.value_stats, self.grad_stats = value_stats, grad_stats
+        self._key_cache: dict = {}  # row keys kept from step to step (StepData.step_keys)
+
+    def finish(self, step: int, wants: set[str], buffer: StepBuffer, *, optimizer: torch.optim.Optimizer | None,
+               lr_used: float | torch.Tensor | None) -> HostStep:
+        """Ends the capture, lets each wanted quantity collect, and takes the step's values
+        to the host in one transfer."""
+        capture = self.capture
+        with no_autocast(capture.device):  # leaving the step inside autocast must not lower precision
+            snapshots, calls = capture.end()
+            scale = self.scaler_watch.step_scale()  # (the backward's: scaler.update() may have run since)
             if scale is not None:
-                buf.add(model_key(SCALE), scale)
-            ctx = StepContext(step, self.model, self.layout, self.groups, self.optimizer, self._lr_from_optimizer,
-                              self._capture.device, self._capture, buf, self._checks.warned, lr_used=self._updates.lr_used)
-            for name, quantity in self._quantities.items():
+                buffer.add(model_key(SCALE), scale)
+            ctx = StepContext(step, self.model, self.layout, self.groups, optimizer, self.lr.from_optimizer,
+                              capture.device, capture, buffer, self.checks.warned, lr_used=lr_used)
+            for name, quantity in self.quantities.items():
                 if name in wants:
                     ctx.current = quantity
                     if quantity.collect(ctx) is not None:
                         raise TypeError(f"{type(quantity).__name__}.collect returned a value, which records nothing: "
                                         "add values with ctx.add(key, value), ctx.add_many or ctx.add_model_value")
-            if "lr" in wants and self.optimizer is None and "lr" in self._named:
-                self._lr_unlogged()
-            buf.add_block("snapshots", [t for g, f, _, _ in snapshots for t in (g, f)], (len(snapshots), -1))
-            values = buf.transfer()  # the one host transfer of this step
-        host = (values, [(m, r) for _, _, m, r in snapshots], wants, calls,
-                self._scaler_watch.params_unscaled(self._checks.warn_once),
-                self._capture.backwards, self._capture.grad_forwards, self._capture.forwards)
-        self._late.step(step, host, now=not self._checks.ever_seen)  # (until a hook fired: checked now)
+            self.lr.step_ended(wants, optimizer, self.checks.warn_once)
+            buffer.add_block("snapshots", [t for s in snapshots for t in (s.grads, s.fwd)], (len(snapshots), -1))
+            values = buffer.transfer()  # the one host transfer of this step
+        return HostStep(values, [s.marks for s in snapshots], [s.arrivals for s in snapshots], wants, calls,
+                        self.scaler_watch.params_unscaled(self.checks.warn_once), capture.backwards,
+                        capture.grad_forwards, capture.forwards)
 
-    def _rows(self, step: int, host: tuple) -> tuple[list, np.ndarray]:
+    def rows(self, step: int, host: HostStep) -> tuple[list, np.ndarray]:
         """The rows of one recorded step from its host values (:class:`LateRows` calls it)."""
-        transferred, marks, wants, calls, params_unscaled, backwards, grad_forwards, forwards = host
-        keys, values, blocks = transferred.arrays()
-        blocks["marks"], blocks["reached"] = host_marks(marks, self._capture.n_taps)
-        keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=self._capture.points,
-                                       K=self._capture.K, quantities=self._quantities, wants=wants,
-                                       params_unscaled=params_unscaled, backwards=backwards, grad_forwards=grad_forwards,
-                                       forwards=forwards, call_counts=calls,
-                                       value_stats=self._value_stats, grad_stats=self._grad_stats,
-                                       width=self._capture.width, key_cache=self._key_cache)
-        self._checks.after(step, data, calls, wants)
-        self._checks.merged(step, [n for n in self._quantities if n in wants and self._quantities[n].merged_away(data)])
+        keys, values, blocks = host.values.arrays()
+        blocks["marks"], blocks["reached"] = host_marks(host.marks, host.arrivals, self.capture.n_taps)
+        capture = self.capture
+        keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=capture.points, K=capture.K,
+                                       quantities=self.quantities, wants=host.wants,
+                                       params_unscaled=host.params_unscaled, backwards=host.backwards,
+                                       grad_forwards=host.grad_forwards, forwards=host.forwards, call_counts=host.calls,
+                                       value_stats=self.value_stats, grad_stats=self.grad_stats, width=capture.width,
+                                       key_cache=self._key_cache)
+        self.checks.after(step, data, host.calls, host.wants)
+        self.checks.merged(step, [n for n in self.quantities
+                                  if n in host.wants and self.quantities[n].merged_away(data)])
         return keys, values
-
-    def _lr_unlogged(self, *, closing: bool = False) -> None:
-        """Warns (once) that ``lr``, asked for, has no rows: no optimizer, and the loop never
-        logged it. Said at the second recorded step's end or at ``close()``, so that a value
-        logged after the first step (``rec.log("lr", v, step=s)``) counts."""
-        if self._lr_logged or "lr" in self._checks.warned:
-            return
-        self._lr_checks += 1
-        if self._lr_checks >= 2 or closing:
-            self._checks.warn_once("lr", "lr is read from the optimizer: give the Recorder the optimizer "
-                                   "(Recorder(model, optimizer=opt), or rec.attach_optimizer(opt)) or log it yourself "
-                                   "with rec.log('lr', value); until then it has no rows")
 
 
 @contextlib.contextmanager
@@ -81,4 +116,3 @@ def no_autocast(device: torch.device | None):
         return
     with torch.autocast(device_type=device.type, enabled=False):
         yield
-
