@@ -4,7 +4,7 @@ gradscope once set ``torch._dynamo.config.skip_nnmodule_hook_guards`` to False w
 Recorder was open, so that two instances of one model class never shared a graph with and
 without hooks. Every graph compiled in the process was then guarded on every module's hook
 dicts: +1.18 ms a step for a plain compiled d=16 model (1.107×, ``benchmarks/RESULTS.md``).
-An armed module now has a class of its own instead (``gradscope/recorder/hookset.py``) and
+An armed module now has a class of its own instead (``gradscope/recorder/capture/hookset.py``) and
 Dynamo's settings stay as they are; this script checks that an open Recorder costs another
 compiled model nothing.
 

@@ -2,7 +2,7 @@
 
 Every call of a compiled model first checks the graph's guards. A recorded graph has more
 of them: the recorder's state, and whatever Dynamo guards on the hooked modules
-(``gradscope/recorder/carrying.py`` says why a module whose hooks its class carries adds
+(``gradscope/recorder/capture/carrying.py`` says why a module whose hooks its class carries adds
 none). Timing ``guard_manager.check`` alone, outside a training loop, understates the cost
 several times (the guards' objects are then in the cache), so this script times compiled
 forwards in one process with the guards evaluated and skipped

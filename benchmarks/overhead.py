@@ -23,7 +23,7 @@ steps and rejects a cell that compiled there. A recording method's cell counts o
 timed steps left rows in the table; the checks table after the results says how many.
 
 Several copies of one model class compile in one process, with Dynamo's default settings:
-a Recorder's armed modules have classes of their own (``gradscope/recorder/hookset.py``),
+a Recorder's armed modules have classes of their own (``gradscope/recorder/capture/hookset.py``),
 so no copy runs a graph traced from another.
 
 Methods (``benchmarks.overhead_methods``): a second plain copy (an A/A control: how far two

@@ -1,4 +1,4 @@
-"""Hooks carried by a module's class while a step records (issue 25, recorder/carrying.py):
+"""Hooks carried by a module's class while a step records (issue 25, recorder/capture/carrying.py):
 a module with only the recorder's tagged hooks gets a carrying class whose ``forward`` runs
 them, and its hook dicts stay empty; a module with anyone else's hooks keeps the hook dicts,
 so every hook runs in the order the dicts give. References are computed here with autograd

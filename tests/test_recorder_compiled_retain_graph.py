@@ -1,7 +1,7 @@
 """A compiled recorded step may run its backward twice (``retain_graph=True``): the user's
 parameter gradients and the recorded values stay those of eager autograd, also when
 Inductor's FX graph cache serves the graphs compiled for another copy's step of one
-backward (``DonationOff`` in gradscope/recorder/wrappers.py says why that needed care).
+backward (``DonationOff`` in gradscope/recorder/capture/compile_settings.py says why that needed care).
 
 Each run is its own process with its own Inductor cache folder, so that the copy that
 fills the cache and the copy that reads it are the only ones there."""

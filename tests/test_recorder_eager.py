@@ -1,4 +1,4 @@
-"""The eager capture (recorder/eager.py): which outputs a node hook may read, and the cases a
+"""The eager capture (recorder/capture/eager.py): which outputs a node hook may read, and the cases a
 new-user review found where one may not. Each recorded gradient is checked against
 autograd computed here, on a copy of the site value made in an unrecorded forward."""
 

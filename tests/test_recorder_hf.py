@@ -54,7 +54,7 @@ def test_foreign_model_values_equal_autograd(name):
         run().backward()
     df = rec.frame()
     assert all_hook_dicts_empty(model) == []
-    probes = {p.name: (p.module, p.where) for p in rec.layout.probes}
+    probes = {p.name: (p.module, p.where) for p in rec.layout.sites}
     assert f"{first_stack}.0.in" in probes and f"{first_stack}.{depth - 1}.out" in probes
     assert any(n.endswith("norm.in") or "ln" in n or "layer_norm" in n.lower() or "LayerNorm" in n for n in probes)
     model.zero_grad()
@@ -142,7 +142,7 @@ def test_llama_gradient_checkpointing_records_what_a_plain_run_does(reentrant):
     model.gradient_checkpointing_disable()
     model.zero_grad()
     df = rec.frame()
-    probes = {p.name: (p.module, p.where) for p in rec.layout.probes}
+    probes = {p.name: (p.module, p.where) for p in rec.layout.sites}
     norms = {n.name: n.module for n in rec.layout.norms}
     ref, _ = site_gradients(model, probes, run)
     gains = norm_gains(model, norms, run)

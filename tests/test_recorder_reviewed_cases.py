@@ -174,7 +174,7 @@ def test_final_norms_are_found_wherever_they_are_registered():
     rec = gradscope.Recorder(enc)
     roles = dict(zip(rec.groups.groups, rec.groups.roles))
     assert roles["encoder.norm"] == roles["decoder.norm"] == "final_norm"
-    assert {p.role for p in rec.layout.probes if p.name.startswith("encoder.norm.")} == {"final_norm_in", "final_norm_out"}
+    assert {p.role for p in rec.layout.sites if p.name.startswith("encoder.norm.")} == {"final_norm_in", "final_norm_out"}
     rec.close()
 
 

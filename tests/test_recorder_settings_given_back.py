@@ -1,4 +1,4 @@
-"""The two settings a recorded step changes (``DonationOff`` in gradscope/recorder/wrappers.py:
+"""The two settings a recorded step changes (``DonationOff`` in gradscope/recorder/capture/compile_settings.py:
 AOTAutograd's donated buffers off, the compile caches' key tagged) are the user's again when
 the last recorded step ends, however it ends; what the user sets inside a step stays."""
 

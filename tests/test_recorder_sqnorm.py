@@ -1,4 +1,4 @@
-"""The recorder's one reduction (gradscope/recorder/sqnorm.py) against an fp64 sum computed here.
+"""The recorder's one reduction (gradscope/recorder/numerics/squared_norms.py) against an fp64 sum computed here.
 
 The bound the module states (≤ (BLOCK + 3)·2⁻²⁴ whatever kernel runs) is proven there; the
 tests hold the measured error to 1e-6 (issue 22), on data built to defeat a long fp32 sum:

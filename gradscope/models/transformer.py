@@ -36,7 +36,7 @@ class ZooModel(nn.Module):
 
     pad_id: int
     # No op of the zoo modifies a Site's output in place, so the recorder may read a Site's
-    # gradient eagerly at a cheap alias of its output (asked for by name; see recorder/eager.py).
+    # gradient eagerly at a cheap alias of its output (asked for by name; see recorder/capture/eager.py).
     site_outputs_never_modified_in_place = True
 
     def stacks(self) -> dict[str, Stack]:

@@ -22,8 +22,8 @@ from gradscope.recorder.capture.capture import Capture
 from gradscope.recorder.capture.compile_settings import DynamoSettings
 from gradscope.recorder.capture.cosine_rows import token_masks
 from gradscope.recorder.capture.params import ParamGroups
-from gradscope.recorder.capture.scaler_watch import ScalerWatch, grad_scale, params_unscaled
-from gradscope.recorder.capture.update_ratio import UpdateRatioHooks
+from gradscope.recorder.capture.scaler_watch import ScalerWatch
+from gradscope.recorder.capture.optimizer_step import OptimizerStepHooks
 from gradscope.recorder.discovery.layout import find_layout
 from gradscope.recorder.discovery.wrappers import unwrap
 from gradscope.recorder.numerics.collectives import dist_rank
@@ -143,13 +143,16 @@ class Recorder:
         self._capture.install(frozenset().union(*(q.captures for q in self._quantities.values())))
         if self._scaler_watch.scaler is not None:  # (the scale each backward ran with: capture/scaler_watch.py)
             self._capture.after_backward = self._scaler_watch.backward_ended
-        self._checks = StepChecks(model, self.layout, self._capture.points, options.max_calls, self._capture.grad_expected)
+        self._checks = StepChecks(model, self.layout, self._capture.sites, options.max_calls, self._capture.grad_expected)
         self._lr = LrSource(from_optimizer=optimizer is not None, asked="lr" in named)
         end = StepEnd(model=model, layout=self.layout, groups=self.groups, capture=self._capture,
                       scaler_watch=self._scaler_watch, checks=self._checks, quantities=self._quantities,
                       value_stats=value_stats, grad_stats=grad_stats, lr=self._lr)
         self._late = LateRows(self._out, end.rows)  # a step's rows are built later (rows/late_rows.py)
-        self._updates = UpdateRatioHooks(self.groups, self._late.rows, self._checks.warn_once)
+        # (update_ratio makes its rows: only a step that takes it opens an update; the hooks hold no Recorder)
+        late, warn, quantities = self._late, self._checks.warn_once, self._quantities
+        self._updates = OptimizerStepHooks(
+            self.groups, lambda u: late.rows(u.step, *quantities["update_ratio"].update_rows(u, warn)), warn)
         self._session = StepSession(capture=self._capture, checks=self._checks, late=self._late, outlet=self._out,
                                     updates=self._updates, scaler_watch=self._scaler_watch, end=end,
                                     quantities=self._quantities, named=named, every=every, slow_every=slow_every,
@@ -158,7 +161,7 @@ class Recorder:
         self._watching = watch is not None  # (the optimizer's step hooks then also tell Recorder.run a step inside it)
         if optimizer is not None:
             self.attach_optimizer(optimizer)
-        self._replay = SpikeReplay(self, model, watch, self._grad_scale) if watch is not None else None
+        self._replay = SpikeReplay(self, model, watch, self._scaler_watch.scale_now) if watch is not None else None
         self._table = RecordedTable(late=self._late, outlet=self._out, store=self._store, generator=self._generator,
                                     checks=self._checks, info=info, watch=self.watch)
         DynamoSettings.acquire(len(self._capture.hooks.modules))  # compiled: checkpointing, blocks compiled one by one
@@ -265,11 +268,6 @@ class Recorder:
                                  else "Recorder.log: no open step; pass step=")
             return  # the open step is not recorded: nothing to log
         self._session.log_later(key, value, step)
-
-    def _grad_scale(self) -> torch.Tensor | None:
-        """The scale the watch divides the gradients' norm by: None once ``scaler.unscale_``
-        ran (inside the closure, say), as the gradients are unscaled then."""
-        return None if params_unscaled(self.scaler) else grad_scale(self.scaler)
 
     def close(self) -> None:
         """Removes every hook (module, tensor and optimizer) and flushes and closes the sinks;

@@ -14,8 +14,8 @@ import torch
 from gradscope.recorder.capture.capture import Capture
 from gradscope.recorder.capture.compile_settings import DonationOff
 from gradscope.recorder.capture.scaler_watch import ScalerWatch
-from gradscope.recorder.capture.store import StepBuffer
-from gradscope.recorder.capture.update_ratio import UpdateRatioHooks
+from gradscope.recorder.capture.step_buffer import StepBuffer
+from gradscope.recorder.capture.optimizer_step import OptimizerStepHooks
 from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.rows.late_rows import LateRows
 from gradscope.recorder.rows.outlet import Outlet
@@ -37,7 +37,7 @@ class StepSession:
     """
 
     def __init__(self, *, capture: Capture, checks: StepChecks, late: LateRows, outlet: Outlet,
-                 updates: UpdateRatioHooks, scaler_watch: ScalerWatch, end: StepEnd, quantities: dict[str, Quantity],
+                 updates: OptimizerStepHooks, scaler_watch: ScalerWatch, end: StepEnd, quantities: dict[str, Quantity],
                  named: set[str], every: int, slow_every: int, cosine_tokens: int, generator: torch.Generator,
                  device: Callable[[], torch.device]) -> None:
         self.capture, self.checks, self.late, self.outlet = capture, checks, late, outlet

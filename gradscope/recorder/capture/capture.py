@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from array import array
 from collections.abc import Callable
 from functools import partial
 
@@ -21,7 +20,6 @@ from gradscope.recorder.capture.signals import Signals
 from gradscope.recorder.capture.site_plan import fully_sharded, plan_sites
 from gradscope.recorder.capture.site_hooks import _KEYS, _LIVE, GRAD_EXPECTED, TAPPED, forget, install_site_hooks
 from gradscope.recorder.numerics.norm_stats import LOW_PRECISION, fit_norm, norm_gain, w_over_sigma
-from gradscope.recorder.numerics.squared_norms import NormBatch, Reused
 from gradscope.recorder.capture.taps import first_tensor, in_backward, main_input, replace_first, statistic
 from gradscope.recorder.capture.writers import EagerWriter, TracedWriter
 
@@ -48,8 +46,8 @@ class Capture:
         # than once per hook through each hook's closure (≈7000 guards fewer for 180 hooks).
         self.key = next(_KEYS)
         _LIVE[self.key] = self
-        self.points = list(layout.probes)
-        self.n_taps = len(self.points) * max_calls
+        self.sites = list(layout.sites)
+        self.n_taps = len(self.sites) * max_calls
         self.value_stats, self.grad_stats = tuple(value_stats), tuple(grad_stats)
         self.width = FIRST_USER + len(self.value_stats)  # forward-buffer channels
         self.n_collector = self.n_taps * (1 + len(self.grad_stats))
@@ -58,7 +56,7 @@ class Capture:
         self.n_slots = self.n_taps + len(layout.norms) * max_calls  # taps, then norms (w/σ)
         self.on = False
         self.want_value = self.want_grad = self.want_wsig = self.want_cosine = False
-        self.n_counters = len(self.points) + len(layout.norms)
+        self.n_counters = len(self.sites) + len(layout.norms)
         # calls of each counter in this forward (a dict, empty when a forward begins: Dynamo
         # guards its keys once, where a list's items would be guarded one by one)
         self.calls: dict[int, int] = {}
@@ -77,25 +75,16 @@ class Capture:
         self._indices: list[tuple[list[int], torch.Tensor] | None] = [None, None]  # (slots, on the device): Capture._index
         self.cosine = CosineRows(layout)  # sampled stack-output rows for ``cosine``
         self.snapshots: list[Snapshot] = []
-        # eager fast path: marks on the host, values and gradient norms gathered per micro-step. An
-        # array of doubles: setting an item costs a third of a numpy array's (25 against 80 ns), and
-        # numpy reads it without a copy when the rows are built (a list took 40 µs a snapshot)
-        self._no_marks = bytes(8 * self.n_slots)
-        self.marks = array("d", self._no_marks)
-        self.pending_fwd: list[tuple[int, int, torch.Tensor]] = []  # (slot, channel, 0-d value)
-        self.pending_sq: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖h‖²): site values, eagerly
-        self.value_sq = Reused()  # eagerly, ‖h‖² once for a value two sites receive in a row
-        self.values = NormBatch()  # eagerly, site values of a model that promises no in-place op after a site
         self.eager = EagerGrads(self.snapshot, lambda: self.on, self.n_taps,  # eager gradient norms (node hooks, Taps' norms)
-                                lambda slot: f"site {self.points[slot // self.K].name!r}")
-        self._traced, self._eager_writer = TracedWriter(self), EagerWriter(self)
-        plan = plan_sites(model, layout)  # how each site is read (recorder/site_plan.py)
+                                lambda slot: f"site {self.sites[slot // self.K].name!r}")
+        self._traced, self._eager_writer = TracedWriter(self), EagerWriter(self, self.n_slots)
+        plan = plan_sites(model, layout)  # how each site is read (recorder/capture/site_plan.py)
         self._norm_kind, self._norm_in, self._taps = plan.norm_kind, plan.norm_in, plan.taps
         self.hooked, self.alias, self.promised, self._quick = plan.hooked, plan.alias, plan.promised, plan.quick
         self.grad_expected = plan.grad_expected  # whether a site's gradient arrives: its order mark's sign
         self._planned_under: type | None = None  # the root's class when ``begin`` last checked the plan
         self._quick_now = False  # this step takes no per-site user statistics and no cosine samples
-        self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/hookset.py)
+        self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/capture/hookset.py)
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
 
     # -- installation -------------------------------------------------------------------
@@ -103,7 +92,7 @@ class Capture:
         """Registers every hook (once per Recorder); ``captures``: what the Recorder's
         quantities may capture (the forward signals' hooks are installed only if asked for)."""
         install_site_hooks(self.hooks, self.key, self.model, norms=list(zip(self.layout.norms, self._norm_kind)),
-                           sites=[(p, self._site_flags(i)) for i, p in enumerate(self.points)])
+                           sites=[(p, self._site_flags(i)) for i, p in enumerate(self.sites)])
         self.signals.install(self.hooks, attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
         self.hooks.run_eagerly_as_frames_of_their_own()
 
@@ -112,9 +101,7 @@ class Capture:
         self.on = False
         self.hooks.disarm()
         self.snapshots.clear()
-        self.pending_fwd.clear()
-        self.pending_sq.clear()
-        self.values.clear()
+        self._eager_writer.clear()
         self.eager.reset_backward()
         self.eager.forget()
 
@@ -163,7 +150,7 @@ class Capture:
                 self.alias, self._quick = plan.alias, plan.quick
         self.collector.grad = None
         self.fwd.zero_()
-        self.marks = array("d", self._no_marks)
+        self._eager_writer.new_marks()
         self.discard()
         self.want_value, self.want_wsig, self.want_cosine = value, wsig, cosine
         self.stats_now = stats and bool(self.value_stats or self.grad_stats)
@@ -186,7 +173,7 @@ class Capture:
         """Disarms the hooks; returns the step's snapshots (‖grad‖² per tap, forward buffer,
         host marks, which gradients arrived), one per backward and a last one for forward work after the last
         backward, and the call counts."""
-        if self.eager.unread():  # a backward whose end no hook saw: its gradients are its own micro-step
+        if self.eager.ungathered():  # a backward whose end no hook saw: its gradients are its own micro-step
             self.snapshot()
         self.on = False
         self.hooks.disarm(self.eager.handles)
@@ -221,22 +208,9 @@ class Capture:
         if slots:
             grads = grads.index_add(0, self._index(slots, 0), sq.to(self.device))
         fwd, self.fwd = self.fwd, torch.zeros_like(self.fwd)  # (the next micro-step writes into a fresh buffer)
-        if self.pending_fwd:
-            rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=self.device)
-            cols = torch.tensor([c for _, c, _ in self.pending_fwd], device=self.device)
-            fwd.index_put_((rows, cols), torch.stack([v.float() for _, _, v in self.pending_fwd]))
-        slots, sq = joined(*self.values.take(), self.pending_sq)
-        if slots:  # (‖h‖² added: a slot that several forwards of the micro-step wrote holds their sum)
-            fwd.view(-1).index_add_(0, self._index(slots, 1), sq.to(self.device))
-        # (the sites' ‖h‖² go to the host as they are, the square roots taken with the rows: finish.step_rows)
-        # (the marks array is this snapshot's from now)
-        self.snapshots.append(Snapshot(grads, fwd, self.marks, Arrivals(every, list(arrived))))
-        self.marks = array("d", self._no_marks)
-        self.pending_fwd.clear()
-        self.pending_sq.clear()
+        marks = self._eager_writer.write_into(fwd, self._index)
+        self.snapshots.append(Snapshot(grads, fwd, marks, Arrivals(every, list(arrived))))
         self.eager.reset_backward()
-        self.values.clear()
-        self.value_sq.clear()  # (recompute counts run on: reentrant checkpointing's inner backwards end here too)
         self._at_snapshot = (self.calls, sum(self.calls.values()))
 
     def _idle_since_snapshot(self) -> bool:
@@ -247,7 +221,7 @@ class Capture:
         no marks, which ``micro_steps`` drops."""
         seen, total = self._at_snapshot
         return (self.calls is seen and sum(self.calls.values()) == total and self.collector.grad is None
-                and not (self.pending_fwd or self.pending_sq or self.eager.pending))
+                and not (self._eager_writer.holds_values() or self.eager.pending))
 
     def _index(self, slots: list[int], which: int) -> torch.Tensor:
         """The indices of ``slots`` on the device, reused while the slots come in the same order
@@ -282,7 +256,8 @@ class Capture:
         return self._eager_writer
 
     # -- hooks ----------------------------------------------------------------------------
-    def _root_pre(self, module, args, kwargs):
+    def root_forward(self, module, args, kwargs):
+        """The root module's pre-hook: a forward begins (call counts start again)."""
         if not self.on:
             return None
         self.calls = {}
@@ -311,11 +286,10 @@ class Capture:
 
     def passed_on(self, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """``out`` (the tapped ``t``), noted: the next site often receives this very tensor."""
-        self.value_sq.passed_on(t, out)
-        self.values.passed_on(t, out)
+        self._eager_writer.passed_on(t, out)
         return out
 
-    def _observe(self, i: int, t: torch.Tensor, module_args: tuple, flags: int) -> torch.Tensor | None:
+    def observe(self, i: int, t: torch.Tensor, module_args: tuple, flags: int) -> torch.Tensor | None:
         """Statistics of one site value; returns the tapped value (or None to keep it).
         ``module_args``: (args, kwargs) of the module whose output ``t`` is; ``flags``: the
         site's :data:`TAPPED` and :data:`GRAD_EXPECTED` (from its hook's tag)."""
@@ -335,15 +309,15 @@ class Capture:
                 w.value(slot, t)
             if self.stats_now:
                 for k, f in enumerate(self.value_stats):
-                    w.put(slot, FIRST_USER + k, statistic(f, t.detach(), f"site {self.points[i].name!r}"))
+                    w.put(slot, FIRST_USER + k, statistic(f, t.detach(), f"site {self.sites[i].name!r}"))
             if self.want_cosine and c == 0:
-                self.cosine.sample(self.points[i].name, t)
+                self.cosine.sample(self.sites[i].name, t)
         if not (grad and flags & TAPPED):
             return None
         return w.tap(i, t, slot, recompute, module_args)
 
     def _observe_eagerly(self, i: int, t: torch.Tensor, flags: int) -> torch.Tensor | None:
-        """:meth:`_observe` of a :attr:`_quick` site, eagerly, outside a recompute, in a step
+        """:meth:`observe` of a :attr:`_quick` site, eagerly, outside a recompute, in a step
         without user statistics or cosine samples: the :class:`EagerWriter`'s work in one frame."""
         calls, K = self.calls, self.K
         c = calls.get(i, 0)
@@ -351,19 +325,22 @@ class Capture:
         slot = i * K + (c if c < K else K - 1)
         grad = self.want_grad and t.requires_grad and torch.is_grad_enabled()
         self.seq = seq = self.seq + 1
-        self.marks[slot] = seq if grad and flags & GRAD_EXPECTED else -seq
+        w = self._eager_writer
+        w.marks[slot] = seq if grad and flags & GRAD_EXPECTED else -seq
         if self.want_value:
-            self.values.add(slot, t)
+            w.values.add(slot, t)
         if not (grad and flags & TAPPED):
             return None
         out = t[...]  # the alias whose kept gradient is the site's (EagerWriter.tap)
         self.eager.retain(out, slot, False)
-        self.values.passed_on(t, out)  # (value_sq serves only models without the promise)
+        w.values.passed_on(t, out)  # (value_sq serves only models without the promise)
         return out
 
 
-    def _norm_output(self, module, args, kwargs, output, j: int, kind: str | None):
-        counter, point = len(self.points) + j, self._norm_in[j]
+    def observe_norm(self, module, args, kwargs, output, j: int, kind: str | None):
+        """Statistics of one call of norm ``j`` (of kind ``kind``: norm_stats.norm_kind) from its
+        input and output; returns the output with its input's gradient tapped, or None."""
+        counter, point = len(self.sites) + j, self._norm_in[j]
         found, y = main_input(args, kwargs), first_tensor(output)
         if found is None or y is None or found[1].is_nested or y.is_nested or found[1].shape != y.shape:
             return None  # (a nested tensor, nn.TransformerEncoder's fast path: no per-token rows to read a norm from)

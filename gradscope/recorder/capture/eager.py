@@ -50,7 +50,7 @@ from gradscope.recorder.capture.taps import statistic
 from gradscope.recorder.numerics.squared_norms import DENSE_MIN, NormBatch
 
 
-def hookable(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
+def node_hook_reads(t: torch.Tensor, args: tuple, kwargs: dict) -> bool:
     """Whether a module's output ``t`` can be read by a hook on the node that made it: the
     module made it (it is none of its inputs, so every use of ``t`` is downstream of the
     site), it is no leaf, and no view (an in-place op on a view moves its history off that
@@ -148,7 +148,7 @@ class EagerGrads:
                                      for slot, g in zip(slots, grads) for k, f in enumerate(self.stats)]
         return self.grads.take()
 
-    def unread(self) -> bool:
+    def ungathered(self) -> bool:
         """Whether a retained alias holds a gradient no backward's end has read (a backward
         that did not pass the first alias of a forward pass, where the reading is queued)."""
         return any(map(operator.is_not, map(_grad, self._retained), itertools.repeat(None)))  # (C-level passes: 150 aliases in 5 µs)
@@ -160,7 +160,7 @@ class EagerGrads:
 
     def hook(self, t: torch.Tensor, slot: int, recompute: bool) -> None:
         """Takes ‖∂loss/∂t‖² into ``slot`` when backward reaches the node that made ``t``
-        (``t``: a non-leaf tensor the module made itself, or an alias; see :func:`hookable`)."""
+        (``t``: a non-leaf tensor the module made itself, or an alias; see :func:`node_hook_reads`)."""
         if recompute:  # non-reentrant checkpointing hands the forward's own tensor over again
             seen = self._hooked.get(slot)
             if seen is not None and seen() is t:

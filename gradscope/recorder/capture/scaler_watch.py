@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 
-from gradscope.recorder.capture.update_ratio import hookable
+from gradscope.recorder.capture.optimizer_step import stepping_optimizer
 
 
 def grad_scale(scaler) -> torch.Tensor | None:
@@ -69,7 +69,7 @@ class ScalerWatch:
     def attach(self, optimizer: torch.optim.Optimizer) -> None:
         """Sees ``optimizer.step()`` begin (a pre-hook, removed by :meth:`remove`), if there is a scaler."""
         self.remove()
-        target = hookable(optimizer) if self.scaler is not None else None
+        target = stepping_optimizer(optimizer) if self.scaler is not None else None
         if target is not None:
             self._handle = target.register_step_pre_hook(partial(_before_step, weakref.ref(self)))
 
@@ -85,6 +85,11 @@ class ScalerWatch:
             scale = grad_scale(self.scaler)
             self._scale = None if scale is None else scale.clone()
             self._stages = self.scaler._per_optimizer_states
+
+    def scale_now(self) -> torch.Tensor | None:
+        """The scale the gradients hold now (the spike watch divides their norm by it): None
+        without a scaler, or once ``scaler.unscale_`` ran (inside the closure, say)."""
+        return None if params_unscaled(self.scaler) else grad_scale(self.scaler)
 
     def step_scale(self) -> torch.Tensor | None:
         """The scale the step's gradients carry (the last backward's), or None without a scaler."""

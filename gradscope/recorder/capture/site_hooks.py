@@ -16,6 +16,7 @@ import itertools
 from typing import Any
 
 from gradscope.recorder.capture.taps import first_tensor, main_input, replace_first
+from gradscope.recorder.numerics.norm_stats import NORM_KINDS
 
 _LIVE: dict[int, Any] = {}  # open Captures (capture/capture.py) by key; a hook finds its own here (see Capture.key)
 _KEYS = itertools.count()
@@ -23,7 +24,6 @@ _KEYS = itertools.count()
 _SHIFT, _FLAGS = 32, 24  # a tag's bits: Capture key from 32 on, flags from 24 to 31, counter below
 _MASK = (1 << _FLAGS) - 1
 TAPPED, GRAD_EXPECTED = 1, 2  # a site's flags: its value is tapped for its gradient; its gradient is expected
-_KINDS = (None, "ln", "rms", "scale", "bn", "gn", "fit")  # a norm's kind (norm_stats.norm_kind), as its hook's flags
 
 
 def _tag(key: int, counter: int, flags: int = 0) -> int:
@@ -48,7 +48,7 @@ def _root_hook(key: int):
 
     def hook(module, args, kwargs):
         cap = _LIVE.get(key)
-        return None if cap is None else cap._root_pre(module, args, kwargs)
+        return None if cap is None else cap.root_forward(module, args, kwargs)
 
     return hook
 
@@ -60,7 +60,7 @@ def _output_hook(tag: int, module, args, kwargs, output):
     t = first_tensor(output)
     if t is None or not t.is_floating_point():
         return None
-    new = cap._observe(tag & _MASK, t, (args, kwargs), tag >> _FLAGS & 255)
+    new = cap.observe(tag & _MASK, t, (args, kwargs), tag >> _FLAGS & 255)
     return None if new is None else replace_first(output, new)
 
 
@@ -72,7 +72,7 @@ def _input_hook(tag: int, module, args, kwargs):
     if found is None:
         return None
     where, t = found
-    new = cap._observe(tag & _MASK, t, ((), {}), tag >> _FLAGS & 255)
+    new = cap.observe(tag & _MASK, t, ((), {}), tag >> _FLAGS & 255)
     if new is None:
         return None
     if isinstance(where, int):
@@ -84,7 +84,7 @@ def _norm_hook(tag: int, module, args, kwargs, output):
     cap = _LIVE.get(tag >> _SHIFT)
     if cap is None or not cap.on:
         return None
-    return cap._norm_output(module, args, kwargs, output, tag & _MASK, _KINDS[tag >> _FLAGS & 255])
+    return cap.observe_norm(module, args, kwargs, output, tag & _MASK, NORM_KINDS[tag >> _FLAGS & 255])
 
 
 def install_site_hooks(hooks, key: int, model, *, norms: list, sites: list) -> None:
@@ -94,7 +94,7 @@ def install_site_hooks(hooks, key: int, model, *, norms: list, sites: list) -> N
     output or input (``sites``: (site, flags) pairs). ``key``: the Capture's in :data:`_LIVE`."""
     hooks.forward_pre(model, _root_hook(key))
     for j, (norm, kind) in enumerate(norms):
-        hooks.forward(norm.module, *_tagged(_norm_hook, _tag(key, j, _KINDS.index(kind))))
+        hooks.forward(norm.module, *_tagged(_norm_hook, _tag(key, j, NORM_KINDS.index(kind))))
     for i, (site, flags) in enumerate(sites):
         tagged = _tagged(_output_hook if site.where == "output" else _input_hook, _tag(key, i, flags))
         if site.where == "output":

@@ -20,7 +20,7 @@ from gradscope.recorder.numerics.norm_stats import norm_kind
 
 
 class SitePlan(NamedTuple):
-    """Per site (``layout.probes`` order) and per norm (``layout.norms`` order), how capture reads it.
+    """Per site (``layout.sites`` order) and per norm (``layout.norms`` order), how capture reads it.
 
     Attributes:
         norm_kind: per norm, its kind (:func:`gradscope.recorder.numerics.norm_stats.norm_kind`).
@@ -46,8 +46,8 @@ class SitePlan(NamedTuple):
 
 def plan_sites(model: nn.Module, layout: Layout) -> SitePlan:
     """How every site of ``layout`` in ``model`` is captured (see :class:`SitePlan`)."""
-    points = list(layout.probes)
-    index = {p.name: i for i, p in enumerate(points)}
+    sites = list(layout.sites)
+    index = {p.name: i for i, p in enumerate(sites)}
     kinds = [norm_kind(n.module) for n in layout.norms]
     norm_in = [index.get(n.site_in) for n in layout.norms]
     # A norm's input is tapped only when the norm is one fused op that reads it once
@@ -58,12 +58,12 @@ def plan_sites(model: nn.Module, layout: Layout) -> SitePlan:
     norm_inputs = {n.site_in for n in layout.norms}
     fused = {n.site_in for n, k in zip(layout.norms, kinds) if k == "ln"}
     by_output = {n.site_in for n, k in zip(layout.norms, kinds) if k not in (None, "ln")}
-    taps = [p.name not in norm_inputs or p.name in fused for p in points]
-    # Eagerly, a module's output may be read more cheaply by a node hook (recorder/eager.py).
+    taps = [p.name not in norm_inputs or p.name in fused for p in sites]
+    # Eagerly, a module's output may be read more cheaply by a node hook (recorder/capture/eager.py).
     # Not a norm's input, which wants the gradient through the norm alone, and not a
     # module's input, which wants the gradient through that module alone.
-    outputs = [p.where == "output" and p.name not in norm_inputs for p in points]
-    hooked = [o and not isinstance(p.module, Site) for o, p in zip(outputs, points)]  # a Site returns its input
+    outputs = [p.where == "output" and p.name not in norm_inputs for p in sites]
+    hooked = [o and not isinstance(p.module, Site) for o, p in zip(outputs, sites)]  # a Site returns its input
     promised = bool(getattr(model, "site_outputs_never_modified_in_place", False))
     # Where no in-place op can follow, an alias (a C++ node of its own) stands in for the Tap:
     # the outputs of a promising model's Sites, and the input of a fused norm that only the
@@ -76,11 +76,11 @@ def plan_sites(model: nn.Module, layout: Layout) -> SitePlan:
     # alias is a view; the Tap's output is none.
     outputs_alias = promised and not fully_sharded(model)
     alias = [(o and outputs_alias) or (p.name in fused and (outputs_alias if p.where == "output" else p.name in plain_ln))
-             for o, p in zip(outputs, points)]
+             for o, p in zip(outputs, sites)]
     # Sites whose eager statistics take the short path: a promising model's value waits to be
     # reduced with the others, and its gradient comes through an alias that keeps it
     quick = [promised and a and not h for a, h in zip(alias, hooked)]
-    grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in points]
+    grad_expected = [p.name not in norm_inputs or p.name in fused | by_output for p in sites]
     return SitePlan(kinds, norm_in, taps, hooked, alias, promised, quick, grad_expected)
 
 

@@ -48,7 +48,7 @@ _ZOO_LAYER = re.compile(r"^(?P<stack>[^.]+)\.layers\.(?P<i>\d+)(\.|$)")
 
 
 @dataclass(frozen=True)
-class Probe:
+class RecordedSite:
     """One site: the tensor a module receives (``where="input"``) or returns (``"output"``)."""
 
     name: str
@@ -60,7 +60,7 @@ class Probe:
 
 
 @dataclass(frozen=True)
-class NormProbe:
+class RecordedNorm:
     """A normalisation module and the names of the sites on its input and output."""
 
     name: str
@@ -84,8 +84,8 @@ class StackOutputs:
 class Layout:
     """Everything the recorder hooks or reads, found once per model."""
 
-    probes: list[Probe]
-    norms: list[NormProbe]
+    sites: list[RecordedSite]
+    norms: list[RecordedNorm]
     stacks: list[StackOutputs]
     param_groups: dict[str, tuple[str, int | None, list[str]]]  # group -> (stack, layer, parameter names)
     mixers: dict[str, nn.Module] = field(default_factory=dict)  # modules offering mixing_weights()
@@ -103,11 +103,11 @@ class Layout:
 
     def site_names(self) -> list[str]:
         """All site names, in module order."""
-        return [p.name for p in self.probes]
+        return [p.name for p in self.sites]
 
     def role_of(self) -> dict[str, str]:
         """Site name -> role."""
-        return {p.name: p.role for p in self.probes}
+        return {p.name: p.role for p in self.sites}
 
 
 def is_zoo(model: nn.Module) -> bool:
@@ -141,12 +141,12 @@ def _zoo_layout(model: nn.Module) -> Layout:
             final = name.endswith("final_norm")
             norm_sites[f"{name}.in"] = "final_norm_in" if final else "norm_in"
             norm_sites[f"{name}.out"] = "final_norm_out" if final else "norm_out"
-    probes = [
-        Probe(name, module, "output", *_zoo_position(name), norm_sites.get(name) or _zoo_role(name))
+    recorded = [
+        RecordedSite(name, module, "output", *_zoo_position(name), norm_sites.get(name) or _zoo_role(name))
         for name, module in model.named_modules() if isinstance(module, Site)
     ]
     norms = [
-        NormProbe(name, module.inner, f"{name}.in", f"{name}.out", *_zoo_position(name))
+        RecordedNorm(name, module.inner, f"{name}.in", f"{name}.out", *_zoo_position(name))
         for name, module in model.named_modules() if isinstance(module, SiteNorm)
     ]
     width = getattr(getattr(model, "config", None), "d_model", None)
@@ -163,7 +163,7 @@ def _zoo_layout(model: nn.Module) -> Layout:
     groups["memory"] = ("", None, [])
     mixers = {n: m for n, m in model.named_modules() if callable(getattr(m, "mixing_weights", None))}
     roles = {g: "embedding" if g.endswith(".embed") else "final_norm" for g in groups if g.endswith((".embed", ".final_norm"))}
-    return Layout(probes, norms, stacks, fill_groups(model, groups), mixers, group_roles=roles)
+    return Layout(recorded, norms, stacks, fill_groups(model, groups), mixers, group_roles=roles)
 
 
 # -- foreign models -----------------------------------------------------------------------
@@ -232,13 +232,13 @@ def block_width(block: nn.Module) -> int | None:
 
 
 def _foreign_layout(model: nn.Module) -> Layout:
-    probes = [Probe(n, m, "output", "", None, "other") for n, m in model.named_modules() if isinstance(m, Site)]
+    recorded = [RecordedSite(n, m, "output", "", None, "other") for n, m in model.named_modules() if isinstance(m, Site)]
     stacks, groups, position = [], {"": ("", None, [])}, {}
     for sname, blocks, one_class in _repeated_blocks(model):
         for i, (prefix, block) in enumerate(blocks):
             position[prefix] = (sname, i + 1)
-            probes.append(Probe(f"{prefix}.in", block, "input", sname, i + 1, "layer_in"))
-            probes.append(Probe(f"{prefix}.out", block, "output", sname, i + 1, "layer_out"))
+            recorded.append(RecordedSite(f"{prefix}.in", block, "input", sname, i + 1, "layer_in"))
+            recorded.append(RecordedSite(f"{prefix}.out", block, "output", sname, i + 1, "layer_out"))
             groups[prefix] = (sname, i + 1, [])
             for child, sub in block.named_children():
                 if _has_params(sub):
@@ -258,10 +258,10 @@ def _foreign_layout(model: nn.Module) -> Layout:
         for prefix, pos in position.items():
             if name.startswith(f"{prefix}."):
                 stack, layer = pos
-        probes.append(Probe(f"{name}.in", module, "input", stack, layer, "norm_in"))
-        probes.append(Probe(f"{name}.out", module, "output", stack, layer, "norm_out"))
-        norms.append(NormProbe(name, module, f"{name}.in", f"{name}.out", stack, layer))
-    if not probes:
+        recorded.append(RecordedSite(f"{name}.in", module, "input", stack, layer, "norm_in"))
+        recorded.append(RecordedSite(f"{name}.out", module, "output", stack, layer, "norm_out"))
+        norms.append(RecordedNorm(name, module, f"{name}.in", f"{name}.out", stack, layer))
+    if not recorded:
         raise ValueError(
             f"{type(model).__name__}: found nothing to record. The recorder looked for gradscope Site modules, "
             "for repeated blocks (an nn.ModuleList of >= 2 children of one class holding parameters) and for "
@@ -270,16 +270,16 @@ def _foreign_layout(model: nn.Module) -> Layout:
         )
     outside, roles = outside_groups(model, [p for p in groups if p in position], {st for st, _ in position.values()})
     final = {f"{g}.{end}" for g, r in roles.items() if r == "final_norm" for end in ("in", "out")}
-    probes = [dataclasses.replace(p, role=f"final_{p.role}") if p.name in final and p.role in ("norm_in", "norm_out") else p
-              for p in probes]
+    recorded = [dataclasses.replace(p, role=f"final_{p.role}") if p.name in final and p.role in ("norm_in", "norm_out") else p
+              for p in recorded]
     not_norms = [n for n, m in model.named_modules() if type(m).__name__.endswith("Norm") and not is_norm(m, n)
                  and next(m.children(), None) is None and any(p.dim() > 1 for p in m.parameters(recurse=False))]
-    return Layout(probes, norms, stacks, fill_groups(model, groups, outside), {}, foreign=True, group_roles=roles,
+    return Layout(recorded, norms, stacks, fill_groups(model, groups, outside), {}, foreign=True, group_roles=roles,
                   not_norms=not_norms)
 
 
 def site_names(model: nn.Module) -> list[str]:
-    """The sites the recorder probes in ``model`` (a zoo model's Sites, or what it finds in
+    """The sites the recorder recorded in ``model`` (a zoo model's Sites, or what it finds in
     any other ``nn.Module``): what ``Recorder(model).site_names`` gives."""
     return find_layout(model).site_names()
 
@@ -313,7 +313,7 @@ def find_layout(model: nn.Module, sites: list[str] | None = None) -> Layout:
                     f"sites: pattern {pattern!r} matches no site; closest: {close}; valid sites include "
                     f"{names[:4]} ... ({len(names)} in all; Recorder(model).site_names lists them)"
                 )
-        layout.probes = [p for p in layout.probes if any(fnmatch.fnmatchcase(p.name, pat) for pat in sites)]
+        layout.sites = [p for p in layout.sites if any(fnmatch.fnmatchcase(p.name, pat) for pat in sites)]
         kept = set(layout.site_names())  # norm and stack quantities follow the sites kept
         layout.norms = [n for n in layout.norms if n.site_in in kept or n.site_out in kept]
         layout.stacks = [st for st in layout.stacks if all(s in kept for s in st.sites)]

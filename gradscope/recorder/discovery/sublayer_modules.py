@@ -20,7 +20,7 @@ def find_sublayers(model: nn.Module, layout: Layout) -> list[tuple[str, nn.Modul
     children of its own and is not a norm (HF ``self_attn``/``mlp``), or the block itself
     when it has none (x-transformers keeps attention and feed-forward as separate blocks)."""
     if not layout.foreign:
-        return [(p.name, p.module) for p in layout.probes if p.role == "branch"]
+        return [(p.name, p.module) for p in layout.sites if p.role == "branch"]
     return _foreign_sublayers(layout)[0]
 
 
@@ -40,7 +40,7 @@ def _foreign_sublayers(layout: Layout) -> tuple[list[tuple[str, nn.Module]], lis
     ``intermediate``, whatever its width). In any block, a child whose last ``nn.Linear`` is not
     as wide as the block's output is left out too (a feed-forward's hidden activation)."""
     out, gaps, seen = [], [], set()
-    for p in layout.probes:
+    for p in layout.sites:
         if p.role != "layer_out" or id(p.module) in seen:
             continue
         seen.add(id(p.module))

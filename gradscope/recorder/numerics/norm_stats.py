@@ -215,9 +215,14 @@ def _fit_gain(xhat: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 # -- the gradient through a norm alone, from its input and the gradient at its output -----
+NORM_KINDS: tuple[str | None, ...] = (None, "ln", "rms", "scale", "bn", "gn", "fit")
+"""Every value :func:`norm_kind` gives (a hook carries its norm's kind as the index here)."""
+
+
 def norm_kind(module: nn.Module) -> str | None:
     """How :func:`isolated_grad_sq` differentiates ``module``: ``"ln"``, ``"rms"``,
-    ``"scale"``, ``"fit"`` (a foreign norm, its form and gain fitted per call) or None."""
+    ``"scale"``, ``"bn"``, ``"gn"``, ``"fit"`` (a foreign norm, its form and gain fitted per
+    call) or None (one of :data:`NORM_KINDS`)."""
     if isinstance(module, nn.modules.batchnorm._BatchNorm):
         return "bn"
     if isinstance(module, nn.GroupNorm):

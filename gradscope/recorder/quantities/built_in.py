@@ -4,9 +4,12 @@ that lists them is :mod:`.registry`."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import numpy as np
 import torch
+
+from gradscope.recorder.capture.optimizer_step import Update
 
 from gradscope.recorder.quantities.combine import ratio
 from gradscope.recorder.quantities.quantity import Quantity
@@ -102,7 +105,7 @@ class LnGain(Quantity):
     paper = "Takase et al. 2022, §3"
 
     def rows(self, data):
-        index = {p.name: i for i, p in enumerate(data.points)}
+        index = {p.name: i for i, p in enumerate(data.sites)}
         norms = [n for n in data.layout.norms if n.site_in in index and n.site_out in index and n.name not in data.unfit]
         calls = np.arange(data.K)
         if data.micro_steps == 1 and norms:
@@ -144,7 +147,7 @@ class WOverSigma(Quantity):
 
     def rows(self, data):
         out = []
-        base = len(data.points) * data.K
+        base = len(data.sites) * data.K
         for j, norm in enumerate(data.layout.norms):
             if norm.name in data.unfit:
                 continue
@@ -174,13 +177,13 @@ class Cosine(Quantity):
 
     def rows(self, data):
         complete = {k.split(":", 1)[1] for k, w in data.blocks.items() if k.startswith("cosine_written:") and w.all()}
-        return [r for r in data.device.get(self.name, []) if r[0].stack in complete]
+        return [r for r in data.collected.get(self.name, []) if r[0].stack in complete]
 
 
 class ParamGradNorm(Quantity):
     """‖grad‖ of parameters per layer, per sub-layer, per embedding, and in total (site "")."""
 
-    name, needs_backward = "param_grad_norm", True
+    name, needs_backward, reads_param_grads = "param_grad_norm", True, True
     description = "‖p.grad‖ per parameter group (every parameter in one leaf group) and in total (site \"\")"
     across_ranks, spike_watched = "shared", True
 
@@ -203,7 +206,7 @@ class DlclWeight(Quantity):
             ctx.add_matrix(stack, name, self.name, mixer.mixing_weights())
 
     def rows(self, data):
-        return [r for r in data.device.get(self.name, [])
+        return [r for r in data.collected.get(self.name, [])
                 if not (r[0].site.endswith("combine") and r[0].layer_j > r[0].layer)]
 
 
@@ -284,15 +287,37 @@ class Logged(Quantity):
 
 
 class UpdateRatio(Quantity):
-    """‖Δθ‖/‖θ‖ per parameter group around ``optimizer.step()`` (rows written by the Recorder's
-    optimizer hooks, after the step's other rows)."""
+    """‖Δθ‖/‖θ‖ per parameter group around ``optimizer.step()``: measured by the Recorder's
+    optimizer hooks (:mod:`gradscope.recorder.capture.optimizer_step`), its rows made by
+    :meth:`update_rows` after the step's other rows."""
 
     name, slow, across_ranks = "update_ratio", True, "shared"
     description = ("‖Δθ‖ / ‖θ‖ per parameter group across optimizer.step() (needs Recorder(optimizer=...)); no "
                    "row for a group whose ‖θ‖ was 0 before the step (a warning)")
 
     def rows(self, data):
-        return []  # written after optimizer.step() (gradscope.recorder.capture.update_ratio)
+        return []  # made after optimizer.step(), by update_rows
+
+    def update_rows(self, update: Update, warn: Callable[[str, str], None]) -> tuple[list[Key], np.ndarray]:
+        """The rows of one measured update: ‖Δθ‖/‖θ‖ of every group with parameters. A group
+        whose ‖θ‖ was 0 before the update (weights initialised to zero), or that holds
+        trainable parameters the optimizer does not step (their Δθ is not this step's), has
+        no row, and a warning names it once."""
+        keys, defined = update.keys, update.base > 0
+        if update.elsewhere.any():
+            warn("update_ratio_other_optimizer", f"update_ratio: group(s) "
+                 f"{[k.site for k, e in zip(keys, update.elsewhere) if e][:5]} hold trainable parameters that the "
+                 "attached optimizer does not step (a second optimizer?): no rows for them, the total "
+                 "included. Not reported again.")
+            defined &= ~update.elsewhere
+        if not defined.all():
+            zero = [k.site for k, b, p in zip(keys, update.base, update.populated) if p and b <= 0]
+            if zero:
+                warn("update_ratio_zero", f"update_ratio of group(s) {zero[:5]} is undefined at step "
+                     f"{update.step}: ‖θ‖ was 0 before the update (weights initialised to zero); no row for "
+                     "them while it is. Not reported again.")
+            keys = [k for k, d in zip(keys, defined) if d]
+        return keys, update.delta[defined] / update.base[defined]
 
 
 class Spike(Quantity):

@@ -20,7 +20,7 @@ from torch import nn
 
 from gradscope.recorder.discovery.layout import Layout
 from gradscope.recorder.capture.params import ParamGroups
-from gradscope.recorder.capture.store import StepBuffer
+from gradscope.recorder.capture.step_buffer import StepBuffer
 from gradscope.table.keys import Key, model_key
 from gradscope.user_frames import user_stacklevel
 

@@ -79,6 +79,9 @@ class Quantity:
         also_names: other ``quantity`` values its rows carry (``nonfinite`` writes
             ``nonfinite_grad`` rows too).
         logged: its values come from ``rec.log(name, value)`` in the training loop.
+        reads_param_grads: its :meth:`collect` reads ``p.grad``, which a GradScaler scales:
+            its values are divided by the scale unless the loop unscaled the gradients first
+            (a step where that is not known gets no rows of it, and a warning).
         taken: when its rows are written, for the quantity reference, when that is not the
             schedule's (``""``: every recorded step, or every ``slow_every``-th for a slow one).
     """
@@ -94,6 +97,7 @@ class Quantity:
     over_micro_steps: ClassVar[str] = "rss"
     also_names: ClassVar[tuple[str, ...]] = ()
     logged: ClassVar[bool] = False
+    reads_param_grads: ClassVar[bool] = False
     taken: ClassVar[str] = ""
 
     # -- per site, inside the graph --------------------------------------------------------
@@ -121,7 +125,7 @@ class Quantity:
         :meth:`site_value` / :meth:`site_grad` (per micro-step too when there were several,
         and the step's row combined by ``over_micro_steps``).
         """
-        rows = list(data.device.get(self.name, []))
+        rows = list(data.collected.get(self.name, []))
         single = ~data.merged if data.merged is not None else True  # (slots of several calls in a micro-step: none)
         if self.takes_site_values:  # (a later call's value replaced an earlier one's)
             rows += data.site_rows(self.name, data.user_values[self.name], data.value_called & single,

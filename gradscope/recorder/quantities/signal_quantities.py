@@ -34,7 +34,7 @@ class _Signal(Quantity):
     paper = "Wortsman et al. 2023"
 
     def rows(self, data):
-        return [r for r in data.device.get(self.name, []) if r[1] == r[1]]
+        return [r for r in data.collected.get(self.name, []) if r[1] == r[1]]
 
 
 class AttnLogitMax(_Signal):
@@ -129,7 +129,7 @@ class GradRmsOverEps(_Signal):
     split may give a layer's weights and biases different ε); ‖g‖/√n/ε when they share one.
     """
 
-    name, needs_backward = "grad_rms_over_eps", True
+    name, needs_backward, reads_param_grads = "grad_rms_over_eps", True, True
     description = "per parameter group, the RMS of g / ε over its elements (Adam's update shrinks near 1)"
     paper = "Wortsman et al. 2023, §3.4; Everett et al. 2024"
 

@@ -8,7 +8,7 @@ from functools import cached_property
 
 import numpy as np
 
-from gradscope.recorder.discovery.layout import Layout, Probe
+from gradscope.recorder.discovery.layout import Layout, RecordedSite
 from gradscope.recorder.quantities.combine import Row, combine
 from gradscope.table.keys import Key
 
@@ -17,21 +17,21 @@ from gradscope.table.keys import Key
 class StepData:
     """One recorded step on the host, after its single device→host transfer.
 
-    ``grad_sq`` (M, points·K) holds ‖∂loss/∂h‖² per micro-step and slot, already unscaled;
-    ``arrived`` (M, points·K) whether that gradient reached the site (a site that backward did
+    ``grad_sq`` (M, sites·K) holds ‖∂loss/∂h‖² per micro-step and slot, already unscaled;
+    ``arrived`` (M, sites·K) whether that gradient reached the site (a site that backward did
     not reach, as after ``backward(inputs=...)``, has no gradient, which is not a zero one);
     ``order`` (M, slots) the forward order of each slot's call (+ tapped, − not tapped, 0 not
     called); ``value`` (M, slots) the forward statistic (‖h‖ for sites, w/σ for norms).
     """
 
     layout: Layout
-    points: list[Probe]
+    sites: list[RecordedSite]
     K: int
     grad_sq: np.ndarray
     arrived: np.ndarray
     order: np.ndarray
     value: np.ndarray
-    device: dict[str, list[Row]] = field(default_factory=dict)  # rows computed on the device
+    collected: dict[str, list[Row]] = field(default_factory=dict)  # quantity -> rows of what its collect() added
     blocks: dict[str, np.ndarray] = field(default_factory=dict)  # raw arrays from the device
     unfit: set[str] = field(default_factory=set)  # norms whose output is not g·x̂ + b (adaptive norms)
     no_backward: bool = False  # forward tapped gradients but no backward ran inside the step: no gradient rows
@@ -78,25 +78,25 @@ class StepData:
         return self.traced if self.traced is not None else np.zeros_like(self.arrived)
 
     @cached_property
-    def _called(self) -> tuple[tuple[tuple[Probe, int, int, str], ...], tuple[int, ...], np.ndarray]:
+    def _called(self) -> tuple[tuple[tuple[RecordedSite, int, int, str], ...], tuple[int, ...], np.ndarray]:
         """(point, call, slot, site name) of every slot called, and the slots as a tuple and
         an array: the same step after step, so kept in ``key_cache`` by which slots were called."""
         seen = (self.order[:, : self.grad_sq.shape[1]] != 0).any(axis=0) | self.arrived.any(axis=0)
         return self.key_cache_get(("slot sites", seen.tobytes()), lambda: self._slot_sites_of(seen))
 
-    def _slot_sites_of(self, seen: np.ndarray) -> tuple[tuple[tuple[Probe, int, int, str], ...], tuple[int, ...], np.ndarray]:
+    def _slot_sites_of(self, seen: np.ndarray) -> tuple[tuple[tuple[RecordedSite, int, int, str], ...], tuple[int, ...], np.ndarray]:
         slots = np.flatnonzero(seen)
         slots.flags.writeable = False  # (shared by later steps)
         listed = tuple(slots.tolist())
-        sites = tuple((self.points[slot // self.K], slot % self.K, slot,
-                       call_name(self.points[slot // self.K].name, slot % self.K)) for slot in listed)
+        sites = tuple((self.sites[slot // self.K], slot % self.K, slot,
+                       call_name(self.sites[slot // self.K].name, slot % self.K)) for slot in listed)
         return sites, listed, slots
 
     @property
-    def _sites(self) -> tuple[tuple[Probe, int, int, str], ...]:
+    def _sites(self) -> tuple[tuple[RecordedSite, int, int, str], ...]:
         return self._called[0]
 
-    def slot_sites(self) -> tuple[tuple[Probe, int, int, str], ...]:
+    def slot_sites(self) -> tuple[tuple[RecordedSite, int, int, str], ...]:
         """(point, call, slot, site name) of every (site, call) slot called in the step (a
         tuple: later steps that call the same slots share it)."""
         return self._sites

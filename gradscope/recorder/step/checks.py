@@ -10,7 +10,7 @@ import warnings
 
 from torch import nn
 
-from gradscope.recorder.discovery.layout import Layout, Probe
+from gradscope.recorder.discovery.layout import Layout, RecordedSite
 from gradscope.user_frames import user_stacklevel
 from gradscope.recorder.quantities.step_data import StepData
 
@@ -28,14 +28,14 @@ class StepChecks:
     Args:
         model: the recorded model (its gradients tell whether backward ran).
         layout: its sites, norms and stacks.
-        points: the probed sites, in the capture's order.
+        sites: the probed sites, in the capture's order.
         max_calls: slots per site (the capture's K).
     """
 
-    def __init__(self, model: nn.Module, layout: Layout, points: list[Probe], max_calls: int,
+    def __init__(self, model: nn.Module, layout: Layout, sites: list[RecordedSite], max_calls: int,
                  grad_expected: list[bool] | None = None) -> None:
-        self.model, self.layout, self.points, self.K = model, layout, points, max_calls
-        self.grad_expected = grad_expected or [True] * len(points)  # per point: its gradient is read when it has one
+        self.model, self.layout, self.sites, self.K = model, layout, sites, max_calls
+        self.grad_expected = grad_expected or [True] * len(sites)  # per point: its gradient is read when it has one
         self.warned: set[str] = set()
         self.ever_seen = False  # any hook fired in a recorded step
         self.last_recorded: int | None = None  # the highest step recorded so far
@@ -135,7 +135,7 @@ class StepChecks:
                           "per feature (adaptive norms?): the gradient through them alone is not known without "
                           "re-running them, so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows",
                           stacklevel=user_stacklevel())
-        over = [p.name for p, n in zip(self.points, calls) if n > self.K and p.name not in self.warned]
+        over = [p.name for p, n in zip(self.sites, calls) if n > self.K and p.name not in self.warned]
         if over:
             self.warned.update(over)
             warnings.warn(f"gradscope: {_listed(over)} called more than max_calls={self.K} times in one forward; "
@@ -143,7 +143,7 @@ class StepChecks:
 
     def _say_silent(self, step: int, seen: set[str]) -> None:
         """Warns (once per site) about sites that saw no call in the step."""
-        silent = [p.name for p in self.points if p.name not in seen and p.name not in self.warned]
+        silent = [p.name for p in self.sites if p.name not in seen and p.name not in self.warned]
         if silent:
             self.warned.update(silent)
             warnings.warn(f"gradscope: {len(silent)} site(s) saw no call in step {step} and have no rows: "
@@ -152,7 +152,7 @@ class StepChecks:
     def _no_gradient(self, data: StepData) -> None:
         """Warns about sites called in the step with no gradient: their value never required
         grad, or a backward did not reach them (they then have no row for it, not 0.0)."""
-        index = {p.name: i for i, p in enumerate(self.points)}
+        index = {p.name: i for i, p in enumerate(self.sites)}
         called = (data.order != 0)[:, : data.grad_sq.shape[1]].any(axis=0)
         tapped = (data.order > 0)[:, : data.grad_sq.shape[1]].any(axis=0)
         never, traced = ~data.got.any(axis=0), data.traced_taps

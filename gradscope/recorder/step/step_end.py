@@ -18,13 +18,13 @@ from gradscope.recorder.capture.buffer_layout import Arrivals
 from gradscope.recorder.capture.capture import Capture
 from gradscope.recorder.capture.params import ParamGroups
 from gradscope.recorder.capture.scaler_watch import ScalerWatch
-from gradscope.recorder.capture.store import StepBuffer, Transferred
+from gradscope.recorder.capture.step_buffer import StepBuffer, Transferred
 from gradscope.recorder.discovery.layout import Layout
 from gradscope.recorder.quantities.built_in import LrSource
 from gradscope.recorder.quantities.context import StepContext
 from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.step.checks import StepChecks
-from gradscope.recorder.step.finish import SCALE, host_marks, step_rows
+from gradscope.recorder.step.host_rows import SCALE, host_marks, step_rows
 from gradscope.table.keys import model_key
 
 
@@ -95,7 +95,7 @@ class StepEnd:
         keys, values, blocks = host.values.arrays()
         blocks["marks"], blocks["reached"] = host_marks(host.marks, host.arrivals, self.capture.n_taps)
         capture = self.capture
-        keys, values, data = step_rows(keys, values, blocks, layout=self.layout, points=capture.points, K=capture.K,
+        keys, values, data = step_rows(keys, values, blocks, layout=self.layout, sites=capture.sites, K=capture.K,
                                        quantities=self.quantities, wants=host.wants,
                                        params_unscaled=host.params_unscaled, backwards=host.backwards,
                                        grad_forwards=host.grad_forwards, forwards=host.forwards, call_counts=host.calls,

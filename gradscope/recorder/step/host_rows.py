@@ -70,7 +70,7 @@ def host_marks(marks: list[array], arrivals: list[Arrivals], n_taps: int) -> tup
     return np.array([np.frombuffer(m, dtype=np.float64) for m in marks], dtype=np.float64), reached
 
 
-def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K: int, quantities: dict[str, Quantity],
+def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K: int, quantities: dict[str, Quantity],
               wants: set[str], params_unscaled: bool | None, backwards: int = 1, grad_forwards: int = 1,
               forwards: int | None = None, call_counts: list[int] | None = None,
               value_stats: tuple[str, ...] = (),
@@ -82,8 +82,9 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     ``site_grad`` the capture took, in its channel order; ``key_cache``: the Recorder's row
     keys kept from step to step (:meth:`StepData.step_keys`).
 
-    Gradient norms are divided by the GradScaler scale (key ``__scale__``); parameter norms
-    only if the user had not unscaled them already. ``backwards``: the backwards the capture
+    Gradient norms are divided by the GradScaler scale (key ``__scale__``); the values of
+    quantities that read ``p.grad`` (``reads_param_grads``) only if the user had not unscaled
+    them already. ``backwards``: the backwards the capture
     saw inside the step; when the forward tapped gradients but none came, the quantities
     that read gradients have no rows (their values would be 0.0 or an earlier step's); so too
     when a forward ran but none with grad enabled (``grad_forwards``: an evaluation step
@@ -97,17 +98,18 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     values = np.asarray(values, dtype=np.float64).copy()
     keys = [k if isinstance(k, Key) else Key(*k) for k in keys]
     scale = next((values[i] for i, k in enumerate(keys) if k.quantity == SCALE), None)
-    device: dict[str, list] = {}
+    collected: dict[str, list] = {}
+    scaled = {n for name, q in quantities.items() if q.reads_param_grads for n in q.names}
     for k, v in zip(keys, values):
         if k.quantity == SCALE:
             continue
-        if scale is not None and k.quantity in ("param_grad_norm", "grad_rms_over_eps"):
+        if scale is not None and k.quantity in scaled:
             if params_unscaled is None:  # (not known whether the gradients were unscaled: no rows, and a warning said so)
                 continue
             if not params_unscaled:
                 v = v / scale
-        device.setdefault(k.quantity, []).append((k, float(v)))
-    n_taps = len(points) * K
+        collected.setdefault(k.quantity, []).append((k, float(v)))
+    n_taps = len(sites) * K
     collector, reached, traced, order, value, user_fwd, misfit = micro_steps(
         blocks["snapshots"], blocks["marks"], blocks["reached"], n_taps * (1 + len(grad_stats)), width)
     # the sites' ‖h‖ from the ‖h‖² the forwards of each micro-step added (fp32, as on the device)
@@ -122,8 +124,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     if no_backward:
         gradients = {name for name, q in quantities.items() if q.needs_backward or name in grad_stats}
         wants = wants - gradients
-        device = {name: rows for name, rows in device.items() if name not in gradients}
-    base, index = len(points) * K, {p.name: i for i, p in enumerate(points)}
+        collected = {name: rows for name, rows in collected.items() if name not in gradients}
+    base, index = len(sites) * K, {p.name: i for i, p in enumerate(sites)}
     names = [n.name for n in layout.norms]
     calls = misfit[base: base + len(names) * K].reshape(len(names), K)  # (norms, calls)
     worst = calls.max(axis=1)  # (NaN if a call's input held an inf or a NaN: then no mark below holds)
@@ -141,13 +143,13 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     merged = np.zeros(n_taps, dtype=bool)  # slots that took several calls in one micro-step
     if forwards is not None and forwards > len(collector):
         merged[:] = True
-    for i, n in enumerate((call_counts or [])[:len(points)]):
+    for i, n in enumerate((call_counts or [])[:len(sites)]):
         if n > K:
             merged[i * K + K - 1] = True
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
     user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
-    data = StepData(layout=layout, points=points, K=K, grad_sq=grad_sq, arrived=arrived, order=order, value=value,
-                    device=device, blocks=blocks, unfit=unfit, no_backward=no_backward, low_precision=low,
+    data = StepData(layout=layout, sites=sites, K=K, grad_sq=grad_sq, arrived=arrived, order=order, value=value,
+                    collected=collected, blocks=blocks, unfit=unfit, no_backward=no_backward, low_precision=low,
                     user_values=user_values, user_grads=user_grads, untold=untold, guessed=guessed,
                     traced=traced[:, :n_taps], backwards=backwards, grad_forwards=grad_forwards,
                     key_cache={} if key_cache is None else key_cache, merged=merged)
@@ -155,7 +157,7 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, points, K
     for name, quantity in quantities.items():
         if name in wants and not quantity.logged:
             rows += checked_rows(quantity, quantity.rows(data))
-    for name, extra in device.items():  # what the loop logged itself, wanted or not
+    for name, extra in collected.items():  # what the loop logged itself, wanted or not
         if name not in quantities or quantities[name].logged:
             rows += _per_micro(extra)
     return [k for k, _ in rows], np.array([v for _, v in rows], dtype=np.float64), data

@@ -1,9 +1,11 @@
-"""The Recorder's optimizer step hooks: ``update_ratio`` (‖Δθ‖/‖θ‖ per parameter group, measured around
-``optimizer.step()``) and the ``lr`` that a step inside the recorded step used."""
+"""The Recorder's optimizer step hooks: the update of a recorded step (‖Δθ‖ and ‖θ‖ per
+parameter group around ``optimizer.step()``, for ``update_ratio``), the ``lr`` that a step
+inside the recorded step used, and how many steps began (``Recorder.run``'s check)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -12,19 +14,28 @@ from gradscope.recorder.capture.params import ParamGroups
 from gradscope.table.keys import Key
 
 
-class UpdateRatioHooks:
-    """Optimizer step hooks that measure the update of a recorded step.
+class Update(NamedTuple):
+    """One measured update of a recorded step, per parameter group (``groups.keys`` order)."""
 
-    A group whose ‖θ‖ was 0 before the update (weights initialised to zero) has no ratio:
-    no row, and a warning names it once; a group without parameters has no row either.
+    step: int  # the recorded step
+    keys: list[Key]  # the groups' keys under ``update_ratio``
+    delta: np.ndarray  # ‖Δθ‖ of each group
+    base: np.ndarray  # ‖θ‖ before the update
+    elsewhere: np.ndarray  # bool: the group holds trainable parameters the optimizer does not step
+    populated: list[bool]  # the group has parameters
+
+
+class OptimizerStepHooks:
+    """Optimizer step hooks that measure the update of a recorded step.
 
     Args:
         groups: the Recorder's parameter groups.
-        emit: called with (step, keys, ratios) once the optimizer has stepped.
+        emit: called with the :class:`Update` once the optimizer has stepped (the
+            ``update_ratio`` quantity makes its rows).
         warn: ``warn_once(topic, message)`` of the Recorder.
     """
 
-    def __init__(self, groups: ParamGroups, emit: Callable[[int, list[Key], np.ndarray], None],
+    def __init__(self, groups: ParamGroups, emit: Callable[[Update], None],
                  warn: Callable[[str, str], None] = lambda topic, message: None) -> None:
         self.groups, self.emit, self.warn = groups, emit, warn
         self.pending: int | None = None  # the recorded step whose update is measured next (:meth:`open`)
@@ -39,7 +50,7 @@ class UpdateRatioHooks:
         """Hooks ``optimizer.step`` (replacing hooks on an earlier optimizer); nothing for an
         optimizer whose steps fire no hooks (then no ``update_ratio`` rows, said by :meth:`expire`)."""
         self.remove()
-        target = hookable(optimizer)
+        target = stepping_optimizer(optimizer)
         if target is not None:
             self._handles = [target.register_step_pre_hook(self._before_step),
                              target.register_step_post_hook(self._after_step)]
@@ -98,28 +109,15 @@ class UpdateRatioHooks:
             delta = self.groups.group_norms(torch._foreach_sub(now, self._before))
             base = self.groups.group_norms(self._before)
             delta, base = torch.stack([delta, base]).cpu().double().numpy()  # (one transfer)
-            keys, defined = self.groups.keys("update_ratio"), base > 0
             owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
             others = [p.requires_grad and id(p) not in owned for p in self.groups.params]
-            if any(others):  # trained by another optimizer (or none): their Δθ is not this step's, 0.0 here
-                elsewhere = np.asarray(self.groups.any_member(others))
-                self.warn("update_ratio_other_optimizer", f"update_ratio: group(s) "
-                          f"{[k.site for k, e in zip(keys, elsewhere) if e][:5]} hold trainable parameters that the "
-                          "attached optimizer does not step (a second optimizer?): no rows for them, the total "
-                          "included. Not reported again.")
-                defined &= ~elsewhere
-            if not defined.all():
-                zero = [k.site for k, b, p in zip(keys, base, self.groups.populated) if p and b <= 0]
-                if zero:
-                    self.warn("update_ratio_zero", f"update_ratio of group(s) {zero[:5]} is undefined at step "
-                              f"{self.pending}: ‖θ‖ was 0 before the update (weights initialised to zero); no row for "
-                              "them while it is. Not reported again.")
-                keys = [k for k, d in zip(keys, defined) if d]
-            self.emit(self.pending, keys, delta[defined] / base[defined])
+            elsewhere = np.asarray(self.groups.any_member(others)) if any(others) else np.zeros(len(base), dtype=bool)
+            self.emit(Update(self.pending, self.groups.keys("update_ratio"), delta, base, elsewhere,
+                             list(self.groups.populated)))
         self.pending, self._before = None, None
 
 
-def hookable(optimizer) -> torch.optim.Optimizer | None:
+def stepping_optimizer(optimizer) -> torch.optim.Optimizer | None:
     """The optimizer whose ``step`` fires step hooks: ``optimizer`` itself, or the one a wrapper
     holds as ``.optimizer`` (accelerate's ``AcceleratedOptimizer``, which the HF Trainer hands
     its callbacks, keeps no hooks of its own); None if neither does."""
