@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 
 from gradscope.sinks.parquet import read
 from gradscope.table import COLUMNS, DTYPES, validate
+from gradscope.table.select import step_rows_only
 from gradscope.table.parquet import (  # noqa: F401  (FORMAT_*, atomic_write, legacy_roles: their old home)
     FORMAT_KEY,
     FORMAT_VERSION,
@@ -44,8 +45,10 @@ def save_frame(df: pd.DataFrame, path: str | os.PathLike) -> Path:
     return atomic_write(path, lambda tmp: pq.write_table(table, tmp))
 
 
-def load(path: str | os.PathLike) -> pd.DataFrame:
-    """Reads a table written by ``Recorder.save`` / ``save_frame``, or a folder of them.
+def load(path: str | os.PathLike, *, micro_steps: bool = False) -> pd.DataFrame:
+    """Reads a table written by ``Recorder.save`` / ``save_frame``, or a folder of them: one
+    row per step and point, the step's value (``micro_steps=True``: also the rows of each
+    micro-batch of an accumulated step, as ``Recorder.frame`` gives them).
 
     A folder is a run streamed with ``Recorder(log_dir=...)`` or a folder of such runs (and
     saved tables): every parquet file below it, in one frame (the ``run`` column tells
@@ -61,7 +64,8 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
     if not path.exists():
         raise FileNotFoundError(f"gradscope.load: no such file: {path}")
     if path.is_dir():  # a run folder or a folder of runs: gradscope.sinks.parquet
-        return read(path)
+        df = read(path)
+        return df if micro_steps else step_rows_only(df)
     try:
         table = pq.read_table(path)
     except Exception as err:  # pyarrow raises several types for corrupt files
@@ -71,4 +75,5 @@ def load(path: str | os.PathLike) -> pd.DataFrame:
     df = table.to_pandas()
     if "role" not in df.columns:  # written before the role column existed
         df["role"] = legacy_roles(df)
-    return df[list(COLUMNS)].astype(DTYPES)
+    df = df[list(COLUMNS)].astype(DTYPES)
+    return df if micro_steps else step_rows_only(df)

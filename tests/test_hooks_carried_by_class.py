@@ -317,7 +317,7 @@ def test_a_second_recorder_wrapping_the_first_backward_records_every_step_compil
     assert [type(m) for m in model.modules()] == own
     for rec, first in ((a, 0), (b, -1)):  # (a's first micro-step; b's step has one)
         rec.close()
-        df = rec.frame()
+        df = rec.frame(micro_steps=True)
         rows = df[(df.quantity == "act_grad_norm") & (df.site == "blocks.0.out") & (df.micro_step == first)]
         assert sorted(rows.step) == [0, 1, 2]
         assert rows.value.tolist() == pytest.approx([want["h0_grad"]] * 3, rel=1e-5)

@@ -124,7 +124,7 @@ def test_gradient_accumulation_per_micro_step_and_accumulated():
     with gradscope.record(model) as rec:
         for inputs in micro_batches:
             (loss_fn(model, inputs) / 3).backward()
-    df = rec.frame()
+    df = rec.frame(micro_steps=True)
     sites = {n: (m, "output") for n, m in model.named_modules() if isinstance(m, gradscope.Site)}
     model.zero_grad()
     refs = [site_gradients(model, sites, lambda inputs=inputs: loss_fn(model, inputs) / 3)[0] for inputs in micro_batches]

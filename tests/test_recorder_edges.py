@@ -188,7 +188,7 @@ def test_loss_logged_per_micro_batch_gets_micro_rows_and_their_mean():
             loss.backward()
             rec.log("loss", loss)
             losses.append(loss.item())
-    got = rec.frame().set_index("micro_step").value
+    got = rec.frame(micro_steps=True).set_index("micro_step").value
     assert got[0] == pytest.approx(losses[0]) and got[1] == pytest.approx(losses[1])
     assert got[-1] == pytest.approx(sum(losses) / 2)
 

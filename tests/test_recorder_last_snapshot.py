@@ -37,7 +37,7 @@ def test_a_forward_after_the_last_backward_is_its_own_micro_step(compiled: bool)
             with torch.no_grad():
                 _loss(run, model, second)
         model.zero_grad(set_to_none=True)
-    df = rec.frame()
+    df = rec.frame(micro_steps=True)
     df = df[(df.step == 1) & (df.quantity == "act_norm")]
     assert set(df.micro_step) == {-1, 0, 1}
     _, values = site_gradients(model, _sites(model), lambda: _loss(model, model, second))
@@ -67,4 +67,4 @@ def test_a_step_that_ends_on_its_backward_keeps_one_snapshot_per_backward(compil
                 _loss(run, model, batch(model.config, seed=seed)).backward()
         model.zero_grad(set_to_none=True)
     assert kept == [1, 2, 1]
-    assert set(rec.frame().query("step == 1 and quantity == 'act_grad_norm'").micro_step) == {-1, 0, 1}
+    assert set(rec.frame(micro_steps=True).query("step == 1 and quantity == 'act_grad_norm'").micro_step) == {-1, 0, 1}

@@ -164,7 +164,7 @@ def test_log_of_a_tensor_that_is_not_a_scalar_names_the_quantity():
         rec.log("loss", torch.tensor([[1.5]]))
     rec.log("val", np.array([0.5]), step=1)
     rec.close()
-    logged = rec.frame().query("quantity in ['loss', 'val'] and step == 1")
+    logged = rec.frame(micro_steps=True).query("quantity in ['loss', 'val'] and step == 1")
     assert sorted(logged.value) == [0.5, 1.5, 2.0, 2.5]  # (two micro-steps of loss and their mean)
 
 

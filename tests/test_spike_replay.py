@@ -102,7 +102,7 @@ def test_replayed_rows_equal_a_run_recording_every_step(case):
     watched, _ = train(model, data, mode="watched", quantities="all")
     always, _ = train(twin, data, mode="always", quantities="all")
     assert [r.step for r in watched.watch.flagged] == [SPIKE_AT]
-    df, ref = watched.frame(), always.frame()
+    df, ref = watched.frame(micro_steps=True), always.frame(micro_steps=True)
     assert sorted(df.step.unique()) == [SPIKE_AT]  # the schedule (every=1000) records nothing else
     replay = df[df.quantity == "replay"]
     assert len(replay) == 1 and replay.site.iloc[0] == "" and replay.value.iloc[0] > 6

@@ -55,12 +55,12 @@ def test_lightning_replays_a_spike_like_a_run_recording_every_step():
     _fit(always)
     plain = _fit(None)
     assert [r.step for r in watched.recorder.watch.flagged] == [SPIKE_AT]
-    df = watched.recorder.frame()
+    df = watched.recorder.frame(micro_steps=True)
     assert set(df[df.quantity != "loss"].step) == {0, SPIKE_AT}  # step 0 by the schedule (every=1000)
     assert df[df.quantity == "replay"].value.iloc[0] > 6
     rows = step_rows(df[df.quantity != "loss"], SPIKE_AT)
     assert set(rows.index.get_level_values("micro_step")) == {-1, 0, 1}  # two micro-batches replayed
-    ref = always.recorder.frame()
+    ref = always.recorder.frame(micro_steps=True)
     assert_same_rows(rows, step_rows(ref[ref.quantity != "loss"], SPIKE_AT))
     for name in plain:
         assert torch.equal(params[name], plain[name]), name

@@ -132,7 +132,7 @@ def _recorded(model: nn.Module, batches: list[torch.Tensor], compiled: bool) -> 
         for idx in batches:
             _loss(run, idx).backward()
     rec.close()
-    return rec.frame()
+    return rec.frame(micro_steps=True)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])

@@ -103,7 +103,7 @@ def test_one_forward_per_micro_step_keeps_every_row():
     rec = gradscope.Recorder(model, quantities=[MaxAbs(), GradRms()])
     with rec.step(0):
         step(model)
-    frame = rec.frame()
+    frame = rec.frame(micro_steps=True)
     rec.close()
     outs = outputs_of(twin, "blocks.1", step)
     got = rows(frame, "act_max_abs", "blocks.1.out").set_index("micro_step").value

@@ -22,6 +22,7 @@ from gradscope.recorder.rows.outlet import Outlet
 from gradscope.recorder.step.checks import StepChecks
 from gradscope.sinks.base import RunInfo
 from gradscope.table.rows import RowStore
+from gradscope.table.select import step_rows_only
 
 
 class RecordedTable:
@@ -77,30 +78,20 @@ class RecordedTable:
         self._checks.resume(max(steps) if steps else None)
 
     # -- output ----------------------------------------------------------------------------
-    def frame(self, *, gather: bool = False, dst: int = 0) -> pd.DataFrame | None:
-        """Everything recorded so far as the tidy table (docs/table.md).
-
-        Args:
-            gather: collect every rank's rows on rank ``dst``
-                (:func:`gradscope.distributed.gather_frame`). Collective: every rank must
-                call it; the other ranks get None.
-            dst: the rank that receives the gathered table.
-        """
+    def frame(self, *, gather: bool = False, dst: int = 0, micro_steps: bool = False) -> pd.DataFrame | None:
+        """:meth:`gradscope.Recorder.frame`."""
         if gather:
-            return gather_frame(self, dst=dst)
+            return gather_frame(self.frame(micro_steps=micro_steps), dst=dst)
         self._late.drain()
         disk = self._out.frame()  # with log_dir: the parts written so far and the buffer
         info = self._info
-        return disk if disk is not None else self._store.frame(run=info.run, variant=info.variant, rank=info.rank,
-                                                               reduction=info.reduction)
+        df = disk if disk is not None else self._store.frame(run=info.run, variant=info.variant, rank=info.rank,
+                                                             reduction=info.reduction)
+        return df if micro_steps else step_rows_only(df)
 
     def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
-        """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``).
-
-        With ``gather=True`` every rank must call it; rank ``dst`` writes all ranks' rows
-        and the others write nothing.
-        """
-        df = self.frame(gather=gather, dst=dst)
+        """:meth:`gradscope.Recorder.save`: every row, micro-steps' too."""
+        df = self.frame(gather=gather, dst=dst, micro_steps=True)
         if df is not None:
             save_frame(df, path)
 

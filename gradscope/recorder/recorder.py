@@ -35,7 +35,7 @@ from gradscope.recorder.replay.replay import Reading, ReplayOptions, SpikeReplay
 from gradscope.recorder.rows.late_rows import LateRows
 from gradscope.recorder.rows.outlet import Outlet, make_sinks
 from gradscope.recorder.recorded_table import RecordedTable
-from gradscope.recorder.step.arguments import checked_arguments, log_key, step_index
+from gradscope.recorder.step.arguments import checked_arguments, log_key, step_index, warn_unmeasurable
 from gradscope.recorder.step.checks import StepChecks
 from gradscope.recorder.session import StepSession
 from gradscope.recorder.step.step_end import StepEnd
@@ -118,20 +118,20 @@ class Recorder:
         self.every, self.slow_every = every, slow_every
         self.layout = find_layout(model, sites)
         self.layout.warn_not_norms()
+        warn_unmeasurable(self._quantities, named, self.layout)
         self.groups = ParamGroups(model, self.layout)
         self.run_name = run if run is not None else Path(log_dir).name if log_dir is not None else "run"
-        config = getattr(model, "config", None)
-        self.variant = options.variant or getattr(config, "variant", None) or type(model).__name__
+        self.variant = options.variant or getattr(getattr(model, "config", None), "variant", None) or type(model).__name__
         self.optimizer, self.scaler, self.options = optimizer, scaler, options
         self._scaler_watch = ScalerWatch(scaler)  # the scale of the step's backward, and whether it was unscaled since
         self.cosine_tokens, self.reduction = options.cosine_tokens, options.reduction
         self.rank = options.rank if options.rank is not None else dist_rank()
         self._generator = torch.Generator().manual_seed(options.seed)
         self._store = RowStore()
-        watched = tuple(n for n, q in self._quantities.items() if q.spike_watched)
         info = RunInfo(self.run_name, self.variant, self.rank, self.reduction)
+        spikes = SpikeDetector(watch=tuple(n for n, q in self._quantities.items() if q.spike_watched))
         self._out = Outlet(self._store, make_sinks(log_dir, flush_every, sinks), info,
-                           SpikeDetector(watch=watched) if "spike" in self._quantities else None)
+                           spikes if "spike" in self._quantities else None)
         # the quantities whose site_value / site_grad the capture takes, in its channel order
         value_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_values)
         grad_stats = tuple(n for n, q in self._quantities.items() if q.takes_site_grads)
@@ -149,8 +149,7 @@ class Recorder:
                       scaler_watch=self._scaler_watch, checks=self._checks, quantities=self._quantities,
                       value_stats=value_stats, grad_stats=grad_stats, lr=self._lr)
         self._late = LateRows(self._out, end.rows)  # a step's rows are built later (rows/late_rows.py)
-        # (update_ratio makes its rows: only a step that takes it opens an update; the hooks hold no Recorder)
-        late, warn, quantities = self._late, self._checks.warn_once, self._quantities
+        late, warn, quantities = self._late, self._checks.warn_once, self._quantities  # (hooks that hold no Recorder)
         self._updates = OptimizerStepHooks(
             self.groups, lambda u: late.rows(u.step, *quantities["update_ratio"].update_rows(u, warn)), warn)
         self._session = StepSession(capture=self._capture, checks=self._checks, late=self._late, outlet=self._out,
@@ -378,19 +377,23 @@ class Recorder:
         rows a Recorder kept in memory go to this one's ``log_dir`` if it has one."""
         self._table.load_state_dict(state)
 
-    def frame(self, *, gather: bool = False, dst: int = 0) -> pd.DataFrame | None:
-        """Everything recorded so far as the tidy table (docs/table.md).
+    def frame(self, *, gather: bool = False, dst: int = 0, micro_steps: bool = False) -> pd.DataFrame | None:
+        """Everything recorded so far as the tidy table (docs/table.md): one row per step and
+        point, the step's value (under gradient accumulation, the accumulated step's).
 
         Args:
             gather: collect every rank's rows on rank ``dst``
                 (:func:`gradscope.distributed.gather_frame`). Collective: every rank must
                 call it; the other ranks get None.
             dst: the rank that receives the gathered table.
+            micro_steps: also the rows of each micro-batch of an accumulated step
+                (``micro_step`` 0, 1, ...; the step's own rows have ``micro_step`` −1).
         """
-        return self._table.frame(gather=gather, dst=dst)
+        return self._table.frame(gather=gather, dst=dst, micro_steps=micro_steps)
 
     def save(self, path, *, gather: bool = False, dst: int = 0) -> None:
-        """Writes ``frame()`` to a parquet file atomically (see ``gradscope.io``).
+        """Writes the table, micro-steps' rows included, to a parquet file atomically (see
+        ``gradscope.io``; ``gradscope.load`` reads it back).
 
         With ``gather=True`` every rank must call it; rank ``dst`` writes all ranks' rows
         and the others write nothing.

@@ -115,6 +115,19 @@ def at_step(df: pd.DataFrame, step: StepSpec) -> tuple[pd.DataFrame, dict[str, i
     return out, steps
 
 
+def step_rows_only(df: pd.DataFrame) -> pd.DataFrame:
+    """``df`` without the micro-batches' rows of an accumulated step (``micro_step`` ≥ 0)
+    where the step has its own rows (``micro_step`` −1) of that quantity: one row per step
+    and point, the step's value. A quantity whose step has micro-batch rows only (a user's
+    ``rows()`` that writes no step row) keeps them, so nothing is hidden."""
+    micro = df["micro_step"].to_numpy() != -1
+    if not micro.any():
+        return df
+    keys = [df[c] for c in ("run", "rank", "step", "quantity") if c in df]
+    has_step_row = (~pd.Series(micro, index=df.index)).groupby(keys, observed=True, dropna=False).transform("any")
+    return df[~(micro & has_step_row.to_numpy())].reset_index(drop=True)
+
+
 def one_per_point(df: pd.DataFrame) -> pd.DataFrame:
     """Reduces to one row per point; adds ``n``, the number of rows reduced.
 

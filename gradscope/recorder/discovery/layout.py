@@ -39,11 +39,10 @@ from torch import nn
 from gradscope.models.sites import Site, SiteNorm
 from gradscope.recorder.discovery.module_class import own_class
 from gradscope.recorder.discovery.norm_modules import KNOWN_NORMS, is_norm, wraps_a_bare_norm  # noqa: F401  (re-exported)
-from gradscope.recorder.discovery.param_grouping import fill_groups, outside_groups
+from gradscope.recorder.discovery.param_grouping import CONTAINERS, block_groups, fill_groups, outside_groups
 from gradscope.table import ROLES, ZOO_SUFFIX_ROLES  # noqa: F401  (ROLES re-exported: what a site can be)
 from gradscope.user_frames import user_stacklevel
 
-CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 _ZOO_LAYER = re.compile(r"^(?P<stack>[^.]+)\.layers\.(?P<i>\d+)(\.|$)")
 
 
@@ -240,11 +239,8 @@ def _foreign_layout(model: nn.Module) -> Layout:
             recorded.append(RecordedSite(f"{prefix}.in", block, "input", sname, i + 1, "layer_in"))
             recorded.append(RecordedSite(f"{prefix}.out", block, "output", sname, i + 1, "layer_out"))
             groups[prefix] = (sname, i + 1, [])
-            for child, sub in block.named_children():
-                if _has_params(sub):
-                    groups[f"{prefix}.{child}"] = (sname, i + 1, [])
-            for pname, _ in block.named_parameters(recurse=False):  # a block's own parameters: a leaf group each
-                groups[f"{prefix}.{pname}"] = (sname, i + 1, [])
+            for group in block_groups(prefix, block):  # its sub-layers (param_grouping.py)
+                groups[group] = (sname, i + 1, [])
         if one_class:  # a cosine stack; outputs of another width are skipped when they arrive
             names = (f"{blocks[0][0]}.in", *(f"{p}.out" for p, _ in blocks))
             stacks.append(StackOutputs(sname, names, block_width(blocks[0][1])))

@@ -6,8 +6,13 @@ alike, every parameter name put in the groups whose prefix it has."""
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.utils import parametrize
 
 from gradscope.recorder.discovery.norm_modules import is_norm
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
+"""Modules that hold sub-modules without being a part of their own (an ``nn.Sequential``
+computes: a sub-layer written as one, an MLP, is a part)."""
 
 
 def outside_groups(model: nn.Module, blocks: list[str], stacks: set[str] = frozenset()) -> tuple[dict, dict[str, str]]:
@@ -70,6 +75,48 @@ def outside_groups(model: nn.Module, blocks: list[str], stacks: set[str] = froze
         for pname in members:
             groups[pname], roles[pname] = ("", None, [pname]), role
     return groups, roles
+
+
+def block_groups(prefix: str, block: nn.Module) -> list[str]:
+    """The parameter groups inside one block of a foreign model, named from ``prefix``: each
+    child that holds parameters (a sub-layer), with these exceptions, so that no two groups
+    hold the same parameters and a sub-layer is a group wherever the model has one:
+
+    - a container child (``nn.ModuleList``, T5's ``layer``) is no group: its entries are
+      (T5's ``layer.0`` self-attention, ``layer.1`` feed-forward);
+    - a lone child that holds all the block's parameters is no group either (it would equal
+      the block's): its own parts are, if it has any (a module whose parameters are all its
+      own, or reparametrized, as by weight norm, is one part);
+    - a mixture-of-experts sub-layer (a child whose children are named ``*expert*``) is a
+      group, and so is each of its parts: the router, the routed experts, the shared expert;
+    - a parameter of the block itself is a leaf group.
+    """
+    children = [(n, c) for n, c in block.named_children() if _holds_parameters(c)]
+    own = [n for n, _ in block.named_parameters(recurse=False)]
+    if len(children) == 1 and not own and not isinstance(children[0][1], CONTAINERS):
+        name, child = children[0]
+        return [] if _one_part(child) else block_groups(f"{prefix}.{name}", child)
+    groups = []
+    for name, child in children:
+        if isinstance(child, CONTAINERS):
+            groups += [f"{prefix}.{name}.{k}" for k, entry in child.named_children() if _holds_parameters(entry)]
+            groups += [f"{prefix}.{name}.{k}" for k, _ in child.named_parameters(recurse=False)]
+            continue
+        groups.append(f"{prefix}.{name}")
+        if not _one_part(child) and any("expert" in n.lower() for n, _ in child.named_children()):
+            groups += [f"{prefix}.{name}.{n}" for n, c in child.named_children() if _holds_parameters(c)]
+            groups += [f"{prefix}.{name}.{n}" for n, _ in child.named_parameters(recurse=False)]
+    return groups + [f"{prefix}.{n}" for n in own]
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def _one_part(module: nn.Module) -> bool:
+    """Whether a module is one part, not to be split: all its parameters are its own, or it
+    is reparametrized (``torch.nn.utils.parametrize``: weight norm, spectral norm)."""
+    return parametrize.is_parametrized(module) or not any(_holds_parameters(c) for c in module.children())
 
 
 def fill_groups(model: nn.Module, groups: dict, filled: dict | None = None) -> dict:

@@ -26,6 +26,9 @@ class ActNorm(Quantity):
     description = "‖h‖₂ of the tensor crossing a site (the step's row: over all micro-batches)"
     across_ranks = "rss"
 
+    def nothing_to_measure(self, layout):
+        return None if layout.sites else "the recorder found no site in the model"
+
     def rows(self, data):
         sites = data.slot_sites()
         slots = data.slots()
@@ -52,6 +55,9 @@ class ActGradNorm(Quantity):
     paper = "Takase et al. 2022, Fig. 3-4; Liu et al. 2020, Fig. 3"
     across_ranks, spike_watched = "gradient_norm", True
 
+    def nothing_to_measure(self, layout):
+        return None if layout.sites else "the recorder found no site in the model"
+
     def rows(self, data):
         sites = data.slot_sites()
         slots = data.slots()
@@ -72,7 +78,9 @@ class ActGradNorm(Quantity):
 
 class NonFinite(Quantity):
     """Sites whose value (``nonfinite``) or gradient (``nonfinite_grad``) held a NaN/Inf, in
-    order of appearance (forward order; backward runs in reverse), value 0 first."""
+    order of appearance (forward order; backward runs in reverse), value 0 first; under
+    gradient accumulation per micro-step, and for the step in order of first appearance
+    (micro-step, then order)."""
 
     name, captures, also_names = "nonfinite", frozenset({"value", "grad"}), ("nonfinite_grad",)
     description = ("sites whose forward value (nonfinite) or gradient (nonfinite_grad) held a NaN/Inf; "
@@ -82,6 +90,7 @@ class NonFinite(Quantity):
         out = []
         if np.isfinite(data.value).all() and np.isfinite(data.grad_sq).all():
             return out
+        first: dict[str, dict] = {"nonfinite": {}, "nonfinite_grad": {}}  # site -> (micro-step, order), its first
         for m in range(data.micro_steps):
             fwd, bwd = [], []
             for p, c, slot, site in data.slot_sites():
@@ -91,8 +100,13 @@ class NonFinite(Quantity):
                 if not math.isfinite(data.grad_sq[m, slot]):
                     bwd.append((-order, p, site))
             for quantity, found in (("nonfinite", fwd), ("nonfinite_grad", bwd)):
-                for rank, (_, p, site) in enumerate(sorted(found, key=lambda f: f[0])):
+                for rank, (order, p, site) in enumerate(sorted(found, key=lambda f: f[0])):
                     out.append((Key(data.micro(m), p.stack, p.layer, site, quantity, None, p.role), float(rank)))
+                    first[quantity].setdefault(site, (m, order, p))
+        if data.micro_steps > 1:  # the step's rows: every site that held one, in order of first appearance
+            for quantity, seen in first.items():
+                for rank, (site, (_, _, p)) in enumerate(sorted(seen.items(), key=lambda s: s[1][:2])):
+                    out.append((Key(-1, p.stack, p.layer, site, quantity, None, p.role), float(rank)))
         return out
 
 
@@ -103,6 +117,13 @@ class LnGain(Quantity):
     name, captures, needs_backward = "ln_gain", frozenset({"grad"}), True
     description = "‖gradient at a norm's input, through the norm alone‖ / ‖gradient at its output‖"
     paper = "Takase et al. 2022, §3"
+
+    def nothing_to_measure(self, layout):
+        names = set(layout.site_names())
+        if any(n.site_in in names and n.site_out in names for n in layout.norms):
+            return None
+        return ("the model has no normalisation layer the recorder reads" if not layout.norms
+                else "no normalisation layer has both its input and output sites recorded (sites=)")
 
     def rows(self, data):
         index = {p.name: i for i, p in enumerate(data.sites)}
@@ -145,6 +166,9 @@ class WOverSigma(Quantity):
     description = "mean over tokens and features of a norm's gain w / σ (the token's standard deviation)"
     paper = "Xu et al. 2020, Table 2"
 
+    def nothing_to_measure(self, layout):
+        return None if layout.norms else "the model has no normalisation layer the recorder reads"
+
     def rows(self, data):
         out = []
         base = len(data.sites) * data.K
@@ -168,6 +192,9 @@ class Cosine(Quantity):
     name, captures, slow = "cosine", frozenset({"cosine"}), True
     description = "S[i, j]: mean over sampled non-pad tokens of cos(y_i, y_j) of layer outputs (y_0 the embedding)"
     paper = "Takase et al. 2022, Fig. 5"
+
+    def nothing_to_measure(self, layout):
+        return None if layout.stacks else "the recorder found no stack of layers of one class in the model"
 
     def collect(self, ctx):
         for stack, (matrix, written) in ctx.cosine_matrices().items():
@@ -200,6 +227,9 @@ class DlclWeight(Quantity):
     description = "DLCL's layer-combination weights W[r, k] (lower triangle) and transparent attention's"
     paper = "Wang et al. 2019, Fig. 5"
 
+    def nothing_to_measure(self, layout):
+        return None if layout.mixers else "the model has no DLCL layer combination or transparent attention"
+
     def collect(self, ctx):
         for name, mixer in ctx.layout.mixers.items():
             stack = name.split(".")[0] if name.startswith(("encoder", "decoder")) else ""
@@ -216,6 +246,11 @@ class ScaleNormG(Quantity):
     name, across_ranks = "scalenorm_g", "shared"
     description = "the learned scale g of every ScaleNorm"
     paper = "Nguyen & Salazar 2019"
+
+    def nothing_to_measure(self, layout):
+        if any(isinstance(getattr(n.module, "g", None), torch.Tensor) and n.module.g.dim() == 0 for n in layout.norms):
+            return None
+        return "the model has no ScaleNorm (a norm with a learned scalar g)"
 
     def collect(self, ctx):
         for norm in ctx.layout.norms:

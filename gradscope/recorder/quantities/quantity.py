@@ -43,6 +43,7 @@ from gradscope.recorder.quantities.combine import COMBINE, Row
 from gradscope.table.keys import Key
 
 if TYPE_CHECKING:  # type hints only
+    from gradscope.recorder.discovery.layout import Layout
     from gradscope.recorder.quantities.context import StepContext
     from gradscope.recorder.quantities.step_data import StepData
 
@@ -141,6 +142,12 @@ class Quantity:
         if data.merged is None or not data.merged.any() or type(self).rows is not Quantity.rows:
             return False
         return self.takes_site_values or (self.takes_site_grads and self.over_micro_steps != "sum")
+
+    def nothing_to_measure(self, layout: Layout) -> str | None:
+        """Why this quantity has nothing to measure in a model of this layout (``"the model
+        has no normalisation layer"``), or None (the default). A Recorder asked for it by
+        name warns once with the reason."""
+        return None
 
     # -- what the Recorder asks --------------------------------------------------------------
     @property

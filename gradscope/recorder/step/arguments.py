@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import numbers
+import warnings
 
 import numpy as np
 import torch
 from torch import nn
 
+from gradscope.recorder.discovery.layout import Layout
+from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.quantities.registry import REGISTRY
 from gradscope.table.keys import Key, model_key
+from gradscope.user_frames import user_stacklevel
 
 
 def checked_arguments(model, *, every, slow_every, optimizer, run) -> tuple[int, int]:
@@ -86,3 +90,13 @@ def log_key(quantity: str, value, *, lr_from_optimizer: bool) -> tuple[Key, floa
     if isinstance(value, np.ndarray):
         value = value.item()  # (one element: np.array([2.5]))
     return model_key(loggable(quantity, value, lr_from_optimizer=lr_from_optimizer)), value
+
+
+def warn_unmeasurable(quantities: dict[str, Quantity], named: set[str], layout: Layout) -> None:
+    """Warns, once each, of the quantities asked for by name that have nothing to measure in
+    this model (``ln_gain`` in a model without norms): they would give no row, silently."""
+    for name in sorted(named):
+        reason = quantities[name].nothing_to_measure(layout)
+        if reason:
+            warnings.warn(f"gradscope: {name} has nothing to measure in this model ({reason}): it will have no rows",
+                          stacklevel=user_stacklevel())
