@@ -66,7 +66,7 @@ def site_gradients(model, modules: dict[str, tuple[torch.nn.Module, str]], run, 
     finally:
         for h in handles:
             h.remove()
-    norms = {n: (g.norm().item() if g is not None else 0.0) for n, g in zip(names, grads)}
+    norms = {n: (g.double().norm().item() if g is not None else 0.0) for n, g in zip(names, grads)}  # (fp64: a bf16 norm rounds)
     return norms, {n: t.detach() for n, t in captured.items()}
 
 

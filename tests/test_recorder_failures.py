@@ -256,16 +256,16 @@ def test_adaptive_norm_with_keyword_only_condition():
     torch.manual_seed(0)
     model, x, z = AdaModel(), _x(), _x(1, (B, 4))
     run = lambda: model(x, z).pow(2).mean()  # noqa: E731
-    # The gain of an adaptive norm depends on the token, so the gradient through it alone is
-    # not known without re-running it: no ln_gain and no `.in` gradient, with a warning.
-    with pytest.warns(UserWarning, match="adaptive norms"):
-        with gradscope.record(model) as rec:
-            run().backward()  # the old recorder re-ran norm.forward(x) without `condition` here
+    # The gain of an adaptive norm depends on the token; the norm run again alone with the
+    # call's own keyword-only `condition` (detached) gives the gradient through it alone at its
+    # input exactly, and no gradient reaches `cond` from that copy (training is unchanged).
+    with gradscope.record(model) as rec:
+        run().backward()  # an earlier recorder re-ran norm.forward(x) without `condition` here
     df = rec.frame()
-    assert "norm" not in _values(df, "ln_gain")
-    ref_out, act_out, _ = tap(run, {"norm.out": (model.norm, "out")})
+    ref_out, act_out, _ = tap(run, {"norm.out": (model.norm, "out"), "norm.in": (model.norm, "in_iso")})
     got = _values(df, "act_grad_norm")
-    assert "norm.in" not in got
+    assert_rel(got["norm.in"], ref_out["norm.in"], what="norm.in")
+    assert_rel(_values(df, "ln_gain")["norm"], ref_out["norm.in"] / ref_out["norm.out"], what="ln_gain")
     assert_rel(got["norm.out"], ref_out["norm.out"], what="norm.out")
     assert_rel(_values(df, "act_norm")["norm.out"], act_out["norm.out"], what="norm.out act_norm")
 

@@ -15,6 +15,7 @@ from gradscope.recorder.capture.buffer_layout import FIRST_USER, MISFIT, REACHED
 from gradscope.recorder.capture.cosine_rows import CosineRows
 from gradscope.recorder.capture.eager import EagerGrads, joined
 from gradscope.recorder.capture.hookset import HookSet
+from gradscope.recorder.capture.norm_alone import NormAlone
 from gradscope.recorder.discovery.layout import Layout
 from gradscope.recorder.capture.signals import Signals
 from gradscope.recorder.capture.site_plan import fully_sharded, plan_sites
@@ -80,6 +81,9 @@ class Capture:
         self._traced, self._eager_writer = TracedWriter(self), EagerWriter(self, self.n_slots)
         plan = plan_sites(model, layout)  # how each site is read (recorder/capture/site_plan.py)
         self._norm_kind, self._norm_in, self._taps = plan.norm_kind, plan.norm_in, plan.taps
+        self._alone = [NormAlone(n.module) if k in ("fit", "rms", "scale") else None for n, k in zip(layout.norms, plan.norm_kind)]
+        # norms whose gradient through them alone is a closed form that bf16/fp16 tensors spoil (no rows then)
+        self.closed_form = frozenset(n.name for n, k in zip(layout.norms, plan.norm_kind) if k in ("bn", "gn"))
         self.hooked, self.alias, self.promised, self._quick = plan.hooked, plan.alias, plan.promised, plan.quick
         self.grad_expected = plan.grad_expected  # whether a site's gradient arrives: its order mark's sign
         self._planned_under: type | None = None  # the root's class when ``begin`` last checked the plan
@@ -344,24 +348,28 @@ class Capture:
         found, y = main_input(args, kwargs), first_tensor(output)
         if found is None or y is None or found[1].is_nested or y.is_nested or found[1].shape != y.shape:
             return None  # (a nested tensor, nn.TransformerEncoder's fast path: no per-token rows to read a norm from)
-        x, w = found[1], self.writer()
+        (where, x), w = found, self.writer()
         c, recompute = w.call(counter)
         grad = (kind not in (None, "ln") and point is not None and self.want_grad and y.requires_grad
                 and torch.is_grad_enabled())
         wsig = self.want_wsig and not recompute
-        # a closed form read from bf16/fp16 tensors is not exact (up to 5e-3 off): flagged, no rows, no fit
+        # a closed form read from bf16/fp16 tensors is not exact (up to 5e-3 off); w/σ of a norm of unknown form is fitted
         exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
-        fit = fit_norm(module, x, y) if kind == "fit" and (grad or wsig) and exact else None  # one fit serves both
+        alone = grad and (kind == "fit" or (not exact and kind in ("rms", "scale")))  # run again alone (norm_alone.py)
+        fit = fit_norm(module, x, y) if kind == "fit" and wsig and exact else None
         slot = self.n_taps + j * self.K + c
         if fit is not None and not recompute:
             w.put(slot, MISFIT, fit.misfit)
-        elif not exact and kind not in (None, "ln") and (grad or wsig) and not recompute:
+        elif not exact and kind not in (None, "ln") and (wsig or grad and not alone) and not recompute:
             w.put(slot, MISFIT, x.new_full((), LOW_PRECISION, dtype=torch.float32))
         if wsig:
             value = w_over_sigma(module, x, y, fit)
             if value is not None:
                 w.mark(slot, 1.0)
                 w.put(slot, VALUE, value)
+        if alone:
+            run = self._alone[j]
+            return replace_first(output, w.alone_tap(y, x, point * self.K + c, lambda x_in: run.run(args, kwargs, where, x_in)))
         gain = norm_gain(module, kind, x, fit) if grad else None
         if gain is None:
             return None

@@ -45,11 +45,7 @@ class Tap(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        if ctx.eager is not None:  # eager: hand ‖grad‖² over, no padding or summing
-            if ctx.eager.live(ctx.epoch):
-                ctx.eager.add(ctx.slot, grad)
-            return grad, None, None, None, None
-        return grad, collector_grad(dense_squared_norm(grad), grad, ctx.slot, ctx.size, ctx.stats), None, None, None
+        return grad, _taken(ctx, grad), None, None, None
 
 
 class NormTap(torch.autograd.Function):
@@ -74,6 +70,43 @@ class NormTap(torch.autograd.Function):
             ctx.eager.add(ctx.slot, through)
             return grad, *none
         return grad, None, collector_grad(dense_squared_norm(through), through, ctx.slot, ctx.size, ctx.stats), *none[:8]
+
+
+class InputTap(Tap):
+    """:class:`Tap` on the input of a norm run again alone (:class:`JoinTap`): backward takes
+    the gradient's statistics, as a Tap does, and gives the input nothing, since the input's
+    real gradient flows through the norm's own call."""
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return None, _taken(ctx, grad), None, None, None
+
+
+def _taken(ctx, grad: torch.Tensor) -> torch.Tensor | None:
+    """What a tap does with the gradient it sees: eagerly (``ctx.eager``) it hands it over,
+    no padding or summing, and the collector gets nothing; traced, it returns the collector's
+    gradient holding ‖grad‖² (and the user statistics) at its slot."""
+    if ctx.eager is not None:
+        if ctx.eager.live(ctx.epoch):
+            ctx.eager.add(ctx.slot, grad)
+        return None
+    return collector_grad(dense_squared_norm(grad), grad, ctx.slot, ctx.size, ctx.stats)
+
+
+class JoinTap(torch.autograd.Function):
+    """Identity on a norm's output ``y``; backward hands the gradient at ``y`` on unchanged
+    and also to ``alone``, the same norm run again on an :class:`InputTap` of its input with
+    its parameters detached, so that the gradient through the norm alone reaches that tap
+    (exact for any norm, whatever its form) while every real gradient stays as autograd
+    makes it."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, alone: torch.Tensor) -> torch.Tensor:
+        return y.detach()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, grad
 
 
 def first_tensor(value) -> torch.Tensor | None:

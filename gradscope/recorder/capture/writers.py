@@ -21,7 +21,7 @@ import torch
 from gradscope.recorder.capture.buffer_layout import ORDER, VALUE
 from gradscope.recorder.capture.eager import joined, node_hook_reads
 from gradscope.recorder.numerics.squared_norms import NormBatch, Reused, squared_norm
-from gradscope.recorder.capture.taps import NormTap, Tap
+from gradscope.recorder.capture.taps import InputTap, JoinTap, NormTap, Tap
 
 class TracedWriter:
     """Writes of a hook traced by Dynamo: all on the device, inside the graph."""
@@ -64,6 +64,13 @@ class TracedWriter:
         c = self.capture
         collector, at = c.traced_slot(slot)
         return NormTap.apply(y, x, collector, at, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
+
+    def alone_tap(self, y: torch.Tensor, x: torch.Tensor, slot: int, run_alone) -> torch.Tensor:
+        """``y`` joined to the norm run again alone on a tap of its input ``x`` (``run_alone``),
+        whose backward writes the gradient through the norm alone at ``slot``."""
+        c = self.capture
+        collector, at = c.traced_slot(slot)
+        return JoinTap.apply(y, run_alone(InputTap.apply(x, collector, at, None, c.grad_stats_now)))
 
 
 class EagerWriter(TracedWriter):
@@ -160,3 +167,7 @@ class EagerWriter(TracedWriter):
     def norm_tap(self, y, x, slot: int, kind, w, is_ln, eps, dims) -> torch.Tensor:
         c = self.capture
         return NormTap.apply(y, x, c.collector, slot, kind, w, is_ln, eps, dims, c.eager, ())
+
+    def alone_tap(self, y: torch.Tensor, x: torch.Tensor, slot: int, run_alone) -> torch.Tensor:
+        c = self.capture
+        return JoinTap.apply(y, run_alone(InputTap.apply(x, c.collector, slot, c.eager, ())))

@@ -127,7 +127,7 @@ class LnGain(Quantity):
 
     def rows(self, data):
         index = {p.name: i for i, p in enumerate(data.sites)}
-        norms = [n for n in data.layout.norms if n.site_in in index and n.site_out in index and n.name not in data.unfit]
+        norms = [n for n in data.layout.norms if n.site_in in index and n.site_out in index and n.name not in data.grad_left_out]
         calls = np.arange(data.K)
         if data.micro_steps == 1 and norms:
             return self._rows_of_one_micro_step(data, norms, index)

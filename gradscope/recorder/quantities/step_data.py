@@ -33,13 +33,14 @@ class StepData:
     value: np.ndarray
     collected: dict[str, list[Row]] = field(default_factory=dict)  # quantity -> rows of what its collect() added
     blocks: dict[str, np.ndarray] = field(default_factory=dict)  # raw arrays from the device
-    unfit: set[str] = field(default_factory=set)  # norms whose output is not g·x̂ + b (adaptive norms)
+    unfit: set[str] = field(default_factory=set)  # norms whose w/σ the call does not tell (no ln_w_over_sigma rows)
+    grad_left_out: set[str] = field(default_factory=set)  # norms whose gradient rows are left out (closed form, bf16)
     no_backward: bool = False  # forward tapped gradients but no backward ran inside the step: no gradient rows
-    low_precision: set[str] = field(default_factory=set)  # fitted norms called on bf16/fp16 tensors (also in unfit)
+    low_precision: set[str] = field(default_factory=set)  # norms called on bf16/fp16 tensors that lost rows (in unfit)
     user_values: dict[str, np.ndarray] = field(default_factory=dict)  # quantity -> (M, taps) of its site_value
     user_grads: dict[str, np.ndarray] = field(default_factory=dict)  # quantity -> (M, taps) of its site_grad
-    untold: set[str] = field(default_factory=set)  # fitted norms whose unnamed eps the call could not tell (in unfit)
-    guessed: set[str] = field(default_factory=set)  # fitted norms whose unnamed eps was guessed (rows kept)
+    untold: set[str] = field(default_factory=set)  # fitted norms whose w/σ the call could not tell (in unfit)
+    guessed: set[str] = field(default_factory=set)  # fitted norms whose unnamed eps was guessed for w/σ (rows kept)
     traced: np.ndarray | None = None  # (M, taps) bool: slots a compiled call marked (their arrival is not seen)
     backwards: int = 1  # backwards the capture saw in the step
     grad_forwards: int = 1  # forwards of the step that ran with grad enabled

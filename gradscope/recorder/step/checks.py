@@ -111,30 +111,25 @@ class StepChecks:
             self._cosine(step, data)
         if ("act_grad_norm" in wants or data.user_grads) and not data.no_backward and data.micro_steps:
             self._no_gradient(data)
-        low = sorted(data.low_precision - self.warned)
-        if low:
-            self.warned.update(low)
-            warnings.warn(f"gradscope: {_listed(low)} ran on bf16/fp16 tensors; the gradient through a norm that reads "
-                          "its input twice (RMSNorm, ScaleNorm, a norm fitted from its call) is then computed in closed "
-                          "form from rounded tensors, which is not exact (measured 3e-4 to 5e-3 off), so they have no "
-                          "ln_gain, ln_w_over_sigma or '.in' gradient rows (nn.LayerNorm's are exact in any precision)",
-                          stacklevel=user_stacklevel())
-        self._names(data.untold, "cannot be read from their calls: their input is already centred (as after another "
-                    "norm), where LayerNorm's and RMSNorm's forms agree but their gradients differ, or they name no eps "
-                    "and their tokens' variances are nearly equal and below 0.5; so they have no ln_gain, ln_w_over_sigma "
-                    "or '.in' gradient rows (nn.LayerNorm and nn.RMSNorm are always exact; in your own class an "
-                    "`eps` attribute settles the eps, and RMSNorm in its name the form)")
+        lost = sorted(data.grad_left_out - self.warned)
+        if lost:
+            self.warned.update(lost)
+            warnings.warn(f"gradscope: {_listed(lost)} ran on bf16/fp16 tensors; the gradient through a batch or group "
+                          "norm alone is computed in closed form, which rounded tensors make inexact, so they have no "
+                          "ln_gain or '.in' gradient rows", stacklevel=user_stacklevel())
+        low = data.low_precision - data.grad_left_out
+        self._names(low, "ran on bf16/fp16 tensors, from which their w/σ cannot be read exactly: they have no "
+                    "ln_w_over_sigma rows (their gradient rows are exact)")
+        self._names(data.untold - low, "cannot tell their w/σ from their calls: their input is already centred (as "
+                    "after another norm), where LayerNorm's and RMSNorm's forms agree, or they name no eps and their "
+                    "tokens' variances are nearly equal and below 0.5; so they have no ln_w_over_sigma rows (their "
+                    "gradient rows are exact; an `eps` attribute settles the eps, and RMSNorm in the class name the form)")
         self._names(data.guessed - data.unfit, "name no eps, and their tokens' variances are nearly equal (as after "
-                    "another norm), so eps cannot be read from the call: it is taken as 5e-6, which keeps their "
-                    "ln_gain and '.in' rows within 1e-5 of exact for an eps up to 1e-5 (a literal eps of 1e-2 was "
-                    "measured 6e-5 off); give the module an `eps` attribute to make them exact")
-        unfit = sorted(data.unfit - data.low_precision - data.untold - self.warned)
-        if unfit:
-            self.warned.update(unfit)
-            warnings.warn(f"gradscope: {_listed(unfit)} do not map their normalised input to their output with one gain "
-                          "per feature (adaptive norms?): the gradient through them alone is not known without "
-                          "re-running them, so they have no ln_gain, ln_w_over_sigma or '.in' gradient rows",
-                          stacklevel=user_stacklevel())
+                    "another norm), so eps cannot be read from the call: their ln_w_over_sigma takes it as 5e-6 "
+                    "(within 1e-5 of exact for an eps up to 1e-5); give the module an `eps` attribute to make it exact")
+        self._names(data.unfit - data.low_precision - data.untold, "do not map their normalised input to their output "
+                    "with one gain per feature (adaptive norms?): their w/σ is not defined, so they have no "
+                    "ln_w_over_sigma rows (their gradient rows are exact)")
         over = [p.name for p, n in zip(self.sites, calls) if n > self.K and p.name not in self.warned]
         if over:
             self.warned.update(over)
@@ -160,7 +155,7 @@ class StepChecks:
         unseen = (data.missed & traced).any(axis=0)  # compiled: the capture did not see that backward
         if not (missed | unseen | (called & ~tapped & never)).any():  # (the usual step: no site to name)
             return
-        left_out = {n.site_in for n in self.layout.norms if n.name in data.unfit}  # said already, with the reason
+        left_out = {n.site_in for n in self.layout.norms if n.name in data.grad_left_out}  # said already, with the reason
         none, unreached, compiled = set(), set(), set()
         for p, c, slot, site in data.slot_sites():
             if p.name in left_out or not self.grad_expected[index[p.name]]:

@@ -74,7 +74,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K:
               wants: set[str], params_unscaled: bool | None, backwards: int = 1, grad_forwards: int = 1,
               forwards: int | None = None, call_counts: list[int] | None = None,
               value_stats: tuple[str, ...] = (),
-              grad_stats: tuple[str, ...] = (), width: int = FIRST_USER, key_cache: dict | None = None
+              grad_stats: tuple[str, ...] = (), width: int = FIRST_USER, key_cache: dict | None = None,
+              closed_form: frozenset[str] = frozenset()
               ) -> tuple[list, np.ndarray, StepData]:
     """The rows of one recorded step, in the order of ``quantities`` (the Recorder's).
 
@@ -89,6 +90,9 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K:
     that read gradients have no rows (their values would be 0.0 or an earlier step's); so too
     when a forward ran but none with grad enabled (``grad_forwards``: an evaluation step
     under ``torch.no_grad``), whose ``p.grad`` would be an earlier step's.
+
+    ``closed_form``: the norms whose gradient through them alone is a closed form, which
+    bf16/fp16 tensors spoil (batch and group norms): their gradient rows are left out then.
 
     ``forwards`` (the step's forwards) and ``call_counts`` (each counter's calls in the last one)
     tell the slots that took several calls in one micro-step: several forwards in one, or a
@@ -132,8 +136,11 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K:
     unfit, low, untold, guessed = ({names[j] for j in np.flatnonzero(flag).tolist()} for flag in (
         (calls > MISFIT_LIMIT).any(axis=1), worst >= LOW_PRECISION, (UNTOLD <= worst) & (worst < LOW_PRECISION),
         (GUESSED <= worst) & (worst <= MISFIT_LIMIT)))
-    for n in layout.norms:  # the gradient through a norm that is not g·x̂ + b is not known: no rows
-        if n.name in unfit and n.site_in in index:
+    # the gradient through a norm alone, as a closed form of rounded tensors (batch and group norms on bf16/fp16),
+    # is not known: no rows (every other norm's is exact: capture/norm_alone.py); marks otherwise concern w/σ only
+    grad_left_out = {name for name in low if name in closed_form}
+    for n in layout.norms:
+        if n.name in grad_left_out and n.site_in in index:
             i = index[n.site_in]
             grad_sq[:, i * K:(i + 1) * K] = 0
             arrived[:, i * K:(i + 1) * K] = False
@@ -149,7 +156,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K:
     user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
     user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
     data = StepData(layout=layout, sites=sites, K=K, grad_sq=grad_sq, arrived=arrived, order=order, value=value,
-                    collected=collected, blocks=blocks, unfit=unfit, no_backward=no_backward, low_precision=low,
+                    collected=collected, blocks=blocks, unfit=unfit, grad_left_out=grad_left_out, no_backward=no_backward,
+                    low_precision=low,
                     user_values=user_values, user_grads=user_grads, untold=untold, guessed=guessed,
                     traced=traced[:, :n_taps], backwards=backwards, grad_forwards=grad_forwards,
                     key_cache={} if key_cache is None else key_cache, merged=merged)

@@ -100,7 +100,7 @@ class StepEnd:
                                        params_unscaled=host.params_unscaled, backwards=host.backwards,
                                        grad_forwards=host.grad_forwards, forwards=host.forwards, call_counts=host.calls,
                                        value_stats=self.value_stats, grad_stats=self.grad_stats, width=capture.width,
-                                       key_cache=self._key_cache)
+                                       key_cache=self._key_cache, closed_form=capture.closed_form)
         self.checks.after(step, data, host.calls, host.wants)
         self.checks.merged(step, [n for n in self.quantities
                                   if n in host.wants and self.quantities[n].merged_away(data)])
