@@ -19,9 +19,10 @@ def reduce_squared_norms(tensors: list[torch.Tensor | None], sq: torch.Tensor) -
 
     ``sq[i]`` is ‖to_local(tensors[i])‖² on this rank. For a DTensor the global ‖t‖² is
     the sum of its local squared norms over every rank of its device mesh, counting each
-    distinct element once: along a ``Shard`` mesh dimension the ranks hold disjoint pieces
-    (sum them), along a ``Replicate`` dimension they hold copies (so each rank's term is
-    divided by the number of copies before summing). ``Partial`` placements must have been
+    distinct element once: along a ``Shard`` or ``_StridedShard`` mesh dimension the ranks
+    hold disjoint pieces (sum them), along a ``Replicate`` dimension they hold copies (so
+    each rank's term is divided by the number of copies before summing), on 1-D, 2-D (FSDP2
+    over tensor parallelism, HSDP) and 3-D meshes alike. ``Partial`` placements must have been
     redistributed to ``Replicate`` beforehand (``gradscope.recorder.capture.params.local`` does).
     Entries of plain tensors are returned unchanged. One ``all_reduce`` (SUM) per mesh
     dimension per distinct mesh — one in all for FSDP2 on a 1-D mesh.
@@ -42,7 +43,9 @@ def reduce_squared_norms(tensors: list[torch.Tensor | None], sq: torch.Tensor) -
     for i, t in enumerate(tensors):
         if isinstance(t, DTensor):
             mesh = t.device_mesh
-            copies = math.prod(mesh.size(d) for d, p in enumerate(t.placements) if not p.is_shard())
+            # a dimension is sharded unless it replicates: Shard, and _StridedShard (FSDP2 over tensor
+            # parallelism), which is no Shard and says is_shard() False (torch 2.13; it counted as a copy)
+            copies = math.prod(mesh.size(d) for d, p in enumerate(t.placements) if p.is_replicate())
             weight[i] = 1.0 / copies
             meshes.setdefault(mesh, []).append(i)
     if not meshes:
