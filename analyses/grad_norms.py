@@ -119,7 +119,8 @@ class GradNorms(Analysis):
                                   title=f"Takase Fig. 3: {stack}, {setting_name(n)} · preset {preset}")
         runs = self.embed_runs()
         plots.embed_grad_vs_depth(df, runs, ax=axes[0, 2],
-                                  title=f"Wang §5: post_ln, decoder {self.preset.shallow}L · preset {preset}")
+                                  title=f"Wang §4.2 at init (a control): post_ln, decoder {self.preset.shallow}L · "
+                                        f"preset {preset}")
         depth_colors = plt.get_cmap("viridis")(np.linspace(0.0, 0.85, len(runs)))  # (not the variants' colours)
         plots.layer_norms(df.loc[df["run"].isin(runs)], stack="encoder", include_embed=True, hue="run",
                           hue_order=runs, colors=depth_colors, ax=axes[1, 2],

@@ -11,8 +11,8 @@ TAKASE_FIG3 = ("Takase 2022 §3: \"Focus on the decoder-side of Post-LN as illus
                "shows that shallower layer is, smaller its gradient norm is.\"")
 QUOTES: dict[str, str] = {
     "takase_fig3_post_ln_vanishing": TAKASE_FIG3,
-    "takase_fig3_pre_ln_decay": ("Takase 2022 §1: \"Post-LN tends to preserve larger gradient norms in higher layers "
-                                 "during the back-propagation\" (Fig. 3: Pre-LN's norms fall toward the top layers)."),
+    "takase_fig3_pre_ln_decay": ("Takase 2022 §4: \"Focus Pre-LN in Figure 3. In contrast to Post-LN, deeper (higher) "
+                                 "layer is, smaller its gradient norm is.\""),
     "takase_fig3_b2t_mitigates": ("Takase 2022 §5: \"In fact, Figure 3 (b) indicates that B2T connection mitigates "
                                   "the vanishing gradient of 18L-18L encoder-decoders.\""),
     "takase_fig4_ln_drops": ("Takase 2022 §3: \"This figure indicates that the gradient norms from (4) to (3) and (2) "

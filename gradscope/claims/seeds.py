@@ -84,7 +84,7 @@ def combine(verdicts: Sequence[Verdict], *, min_seeds: int = MIN_SEEDS) -> Verdi
     elif all(m is not None and np.isfinite(m) for m in margins):
         margin, margin_spread = _spread(margins)
         holds = True if margin > margin_spread else False if margin < -margin_spread else None
-        why = "" if holds is not None else "margin inside the spread over seeds"
+        why = "" if holds is not None else "margin zero" if margin_spread == 0 else "margin inside the spread over seeds"
     else:
         flags = {bool(v.holds) for v in verdicts}
         holds, why = (flags.pop(), "") if len(flags) == 1 else (None, "the seeds disagree")

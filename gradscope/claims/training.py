@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import pandas as pd
 
-from gradscope.claims.outcome import FAILED, LEARNED, RULE, RunOutcome, run_outcome
+from gradscope.claims.outcome import FAILED, LEARNED, PARTIAL, RULE, RunOutcome, run_outcome
 from gradscope.claims.quotes import quote_for
 from gradscope.claims.seeds import MIN_SEEDS, combine, split_run, with_quote
 from gradscope.claims.verdict import Verdict, not_measured, verdict
@@ -69,12 +69,17 @@ def _values(outs: dict[str, RunOutcome]) -> dict[str, float]:
     vals = {}
     for v, oc in outs.items():
         vals[f"{v} gap closed"] = oc.gap_closed
-        vals[f"{v} accuracy"] = oc.accuracy
+        if oc.accuracy == oc.accuracy:  # (not logged by older tables: left out, not NaN)
+            vals[f"{v} accuracy"] = oc.accuracy
     return vals
 
 
-def _statuses(outs: dict[str, RunOutcome]) -> str:
-    return ", ".join(f"{v} {oc.status}" for v, oc in outs.items())
+PARTIAL_WHY = "a partial run left chance but did not learn within its steps (budget)"
+
+
+def _statuses(statuses: dict[str, str]) -> str:
+    text = ", ".join(f"{v} {s}" for v, s in statuses.items())
+    return text + (f"; {PARTIAL_WHY}" if PARTIAL in statuses.values() else "")
 
 
 def _fails_and_trains(figure: str, claim: str, metric: str, df: pd.DataFrame, fails: str, trains: Sequence[str],
@@ -86,7 +91,8 @@ def _fails_and_trains(figure: str, claim: str, metric: str, df: pd.DataFrame, fa
     learned = [outs[v].status == LEARNED for v in trains]
     contradicted = outs[fails].status == LEARNED or any(outs[v].status in FAILED for v in trains)
     holds = True if failed and all(learned) else False if contradicted else None
-    v = verdict(figure, claim, metric, _values(outs), bool(holds), preset=preset, detail=_statuses(outs),
+    v = verdict(figure, claim, metric, _values(outs), bool(holds), preset=preset,
+                detail=_statuses({k: oc.status for k, oc in outs.items()}),
                 require_finite=False)
     return v if holds is not None else dataclasses.replace(v, holds=None)
 
@@ -164,7 +170,7 @@ def sweep_post_ln_fails_deep(
         contradicted = status[variant] == LEARNED or any(status[t] in FAILED for t in trains)
         holds = True if failed and all(learned) else False if contradicted else None
         v = verdict(figure, claim, metric, values, bool(holds), preset=preset, require_finite=False,
-                    detail=", ".join(f"{k} {s}" for k, s in status.items()))
+                    detail=_statuses(status))
         per_seed.append(v if holds is not None else dataclasses.replace(v, holds=None))
     return with_quote(combine(per_seed, min_seeds=min_seeds), quote_for("sweep_post_ln_fails_deep"))
 
@@ -199,6 +205,6 @@ def sweep_lipschitz_rescues(
         values = {"D": deepest, **{f"{i} gap closed": g for i, g in gaps.items()}}
         holds = True if base in FAILED and ours == LEARNED else False if ours in FAILED or base == LEARNED else None
         v = verdict(figure, claim, metric, values, bool(holds), preset=preset, require_finite=False,
-                    detail=f"{baseline_init} {base}, {init} {ours}")
+                    detail=_statuses({baseline_init: base, init: ours}))
         per_seed.append(v if holds is not None else dataclasses.replace(v, holds=None))
     return with_quote(combine(per_seed, min_seeds=min_seeds), quote_for("sweep_lipschitz_rescues"))
