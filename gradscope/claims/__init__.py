@@ -18,11 +18,11 @@ Claims (paper / figure: rule with default thresholds; g = act_grad_norm):
   cosine over rows i > L/2 and columns j < L/2.
 - :func:`takase_fig5_b2t_keeps_post_ln` (Fig. 5c): |LL(b2t) - LL(post_ln)| <
   |LL(pre_ln) - LL(post_ln)|.
-- :func:`takase_fig1_convergence` (Fig. 1/6/9): post_ln not converged; pre_ln, b2t converged.
+- :func:`takase_fig1_convergence` (Fig. 1/6/9): post_ln failed; pre_ln, b2t learned.
 - :func:`sweep_post_ln_fails_deep` (Takase Fig. 8, Xu Table 1, Wang Fig. 3): at post_ln's
-  deepest depth D it failed while pre_ln and b2t converged.
+  deepest depth D it failed while pre_ln and b2t learned.
 - :func:`sweep_lipschitz_rescues` (Xu 2020 Table 3): at the deepest common depth,
-  post_ln+xavier failed and post_ln+lipschitz converged.
+  post_ln+xavier failed and post_ln+lipschitz learned.
 - :func:`wang_embed_grad_collapses_in_training` (Wang 2019 §4.2): in training, the deep
   Post-LN run's embedding gradient < 1e-2 × the shallow run's (last quarter of the steps).
 - :func:`wang_embed_grad_vanishes` (a control at init): spearman(depth, g(embed.out)) < 0 and
@@ -36,6 +36,10 @@ Claims (paper / figure: rule with default thresholds; g = act_grad_norm):
   run < that of the baseline run.
 - :func:`nguyen_warmup_free` (Nguyen & Salazar 2019): pre_ln and scalenorm learned;
   post_ln failed.
+- :func:`qk_norm_lowers_lr_sensitivity`, :func:`qk_norm_bounds_logits`,
+  :func:`z_loss_keeps_log_z_near_zero` (Wortsman 2023 §3.1): qk_norm's LR sensitivity
+  E_lr[min(ℓ, ℓ₀) − ℓ*] below plain's; its logit growth below plain's at the two highest
+  lrs; z-loss, where it moved |log Z| by >= 0.5 nat, lowers the LR sensitivity.
 
 - :func:`replay_flags_planted_step`, :func:`replay_flags_nothing_else`,
   :func:`replay_rows_equal_recorded` (spike replay, issue 26): the planted spike is flagged,
