@@ -21,6 +21,7 @@ from typing import ClassVar
 import pandas as pd
 import torch
 from matplotlib.figure import Figure
+from tqdm.auto import tqdm
 
 from analyses.cli import parse_args
 from analyses.outputs import annotate, publish, report, save_figure, save_plain_table, saved_setting
@@ -208,7 +209,8 @@ def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
             return []
         bench = Bench(task=task, device=device, batch_size=analysis.preset.batch_size, seed=args.seed,
                       progress=not args.no_progress)
-        table = concat(part for spec in specs for part in analysis.collect(spec, bench))
+        runs = tqdm(specs, desc=f"{kind.name} runs", unit="run", disable=True if args.no_progress else None)
+        table = concat(part for spec in runs for part in analysis.collect(spec, bench))
         verdicts = analysis.noted(analysis.conclude(table))
         for name, extra in analysis.extra_tables(table).items():
             save_plain_table(extra, args.out, name)

@@ -14,7 +14,7 @@ import torch
 from gradscope.train import label_smoothed_loss, make_task
 from gradscope.train.bounds import loss_bounds, smoothed_entropy
 
-TASKS = [("reverse", {}), ("sort_noisy", {}), ("markov_lm", {"branching": 3})]
+TASKS = [("reverse", {}), ("reverse", {"zipf": 1.1}), ("sort_noisy", {}), ("markov_lm", {"branching": 3})]
 EPS = 0.1
 
 
@@ -47,9 +47,9 @@ def test_chance_is_the_best_input_independent_loss(name, options):
     assert bounds.floor < bounds.chance < np.log(task.vocab)
 
 
-@pytest.mark.parametrize("name", ["reverse", "sort_noisy"])
-def test_floor_is_the_loss_of_a_predictor_that_solves_the_task(name):
-    task = make_task(name, vocab=24, max_len=10)
+@pytest.mark.parametrize(("name", "options"), [("reverse", {}), ("reverse", {"zipf": 1.1}), ("sort_noisy", {})])
+def test_floor_is_the_loss_of_a_predictor_that_solves_the_task(name, options):
+    task = make_task(name, vocab=24, max_len=10, **options)
     bounds = loss_bounds(task, EPS)
     for i in range(5):
         src, _, tgt = task.batch("valid", i, 32)
@@ -100,3 +100,21 @@ def test_gap_closed_and_unsupported_tasks():
     assert bounds.gap_closed(bounds.chance) == 0 and bounds.gap_closed(bounds.floor) == pytest.approx(1)
     with pytest.raises(NotImplementedError, match="MarkovMLMTask"):
         loss_bounds(make_task("markov_mlm", vocab=32, max_len=12))
+
+
+def test_zipf_content_follows_its_law_and_zipf_0_keeps_the_uniform_draws():
+    """The k-th content id's share of a Zipf(1.1) task's sources is ∝ k^-1.1 (counted here), and
+    zipf=0 draws exactly the batches of a task made without the option."""
+    task = make_task("reverse", vocab=300, max_len=12, zipf=1.1)
+    src = torch.cat([task.batch("train", i, 64)[0].flatten() for i in range(300)])
+    counts = torch.bincount(src[src != task.pad_id], minlength=task.vocab)[task.content_ids].double()
+    ranks = torch.arange(1, len(task.content_ids) + 1, dtype=torch.float64)
+    expected = ranks**-1.1 / (ranks**-1.1).sum()
+    assert torch.allclose(counts[:5] / counts.sum(), expected[:5], rtol=0.05)  # the head: thousands of draws each
+    plain, zero = make_task("reverse", vocab=32, max_len=12), make_task("reverse", vocab=32, max_len=12, zipf=0.0)
+    for a, b in zip(plain.batch("train", 3, 8), zero.batch("train", 3, 8)):
+        assert torch.equal(a, b)
+    bounds = loss_bounds(task, EPS)
+    assert bounds.chance < loss_bounds(make_task("reverse", vocab=300, max_len=12), EPS).chance  # skew lowers chance
+    with pytest.raises(ValueError, match="zipf"):
+        make_task("reverse", vocab=32, max_len=12, zipf=-1.0)

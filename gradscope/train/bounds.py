@@ -124,7 +124,10 @@ def loss_bounds(task: Task, smoothing: float = 0.1) -> LossBounds:
         mean_len = float(_lengths(task).mean())
         ids = task.clean_ids if isinstance(task, SortNoisyTask) else task.content_ids
         content = np.zeros(task.vocab)
-        content[ids.numpy()] = 1.0 / len(ids)
+        if isinstance(task, ReverseTask):
+            content[ids.numpy()] = task.content_probs.numpy()  # uniform, or Zipfian
+        else:
+            content[ids.numpy()] = 1.0 / len(ids)
         keep = 1.0 - task.noise if isinstance(task, SortNoisyTask) else 1.0  # noise tokens are dropped
         return _deterministic(task, content, keep * mean_len, smoothing)
     raise NotImplementedError(f"loss_bounds: no chance loss and floor derived for {task!r}")
