@@ -40,7 +40,8 @@ class Cosine(Analysis):
 
     def plan(self) -> list[RunSpec]:
         n, p = self.depth, self.preset
-        return [self.trained(v, p.model(v, n, n), STEPS[p.name]) for v in VARIANTS]
+        return [self.trained(v, p.model(v, n, n), STEPS[p.name], k=k)
+                for k in self.seed_indices(trained=True) for v in VARIANTS]
 
     def collect(self, spec: RunSpec, bench: Bench) -> list[pd.DataFrame]:
         """The training table, and cosine on validation batch 0 after training (eval mode)."""
@@ -52,12 +53,13 @@ class Cosine(Analysis):
         out = []
         for stack in STACKS:
             for rule in (claims.takase_fig5_pre_ln_higher, claims.takase_fig5_b2t_keeps_post_ln):
-                out.append(tag(rule(df, stack=stack, preset=self.preset.name), f"{self.depth}L-{self.depth}L trained"))
+                out.append(tag(claims.over_seeds(rule, df, stack=stack, preset=self.preset.name),
+                               f"{self.depth}L-{self.depth}L trained"))
         return out
 
     def draw(self, df: pd.DataFrame, verdicts) -> plt.Figure:
         fig, axes = plt.subplots(2, 4, figsize=(22, 10), layout="constrained")
-        n, preset = self.depth, self.preset.name
+        n, preset, df = self.depth, self.preset.name, self.first_seed(df)
         for row, stack in enumerate(STACKS):
             for col, variant in enumerate(VARIANTS):
                 plots.cosine_heatmap(df, variant=variant, stack=stack, ax=axes[row, col],

@@ -38,14 +38,16 @@ class LNLocations(Analysis):
 
     def plan(self) -> list[RunSpec]:
         n = self.depth
-        return [RunSpec(f"post_ln {n}L-{n}L", self.preset.model("post_ln", n, n))]
+        return [self.init_run(f"post_ln {n}L-{n}L", self.preset.model("post_ln", n, n), k=k)
+                for k in self.seed_indices(trained=False)]
 
     def conclude(self, df: pd.DataFrame) -> list[claims.Verdict]:
-        return [tag(claims.takase_fig4_ln_drops(df, preset=self.preset.name), f"{self.depth}L-{self.depth}L")]
+        return [tag(claims.over_seeds(claims.takase_fig4_ln_drops, df, preset=self.preset.name),
+                    f"{self.depth}L-{self.depth}L")]
 
     def draw(self, df: pd.DataFrame, verdicts) -> plt.Figure:
         fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), layout="constrained")
-        setting = f"post_ln {self.depth}L-{self.depth}L · preset {self.preset.name}"
+        setting, df = f"post_ln {self.depth}L-{self.depth}L · preset {self.preset.name}", self.first_seed(df)
         plots.location_norms(df, ax=left, title=f"Takase Fig. 4/7: decoder layers {list(S.default_layers(self.depth))}, "
                                                 f"{setting}")
         plots.ln_gains(df, stack="decoder", ax=right, title=f"backward gain of each decoder LayerNorm, {setting}")

@@ -65,7 +65,8 @@ def annotate(fig: Figure, title: str, lines: Sequence[str], verdicts: Sequence[V
     A claim that does not show at this preset is written on the figure as such.
     """
     fig.suptitle(title, fontsize="large")
-    footer = [*lines, *(f"[{v.status}] {v.figure}: {v.claim}" for v in verdicts)]
+    footer = [*lines, *(f"[{v.status}] {'control: ' if v.kind == 'control' else ''}{v.figure}: {v.claim}"
+                        for v in verdicts)]
     fig.text(0.01, -0.01, "\n".join(footer), ha="left", va="top", fontsize="small", wrap=True)
 
 

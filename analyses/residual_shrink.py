@@ -19,6 +19,7 @@ drawn (the paper preset's 50,000 steps need a GPU; its at-init half runs on a CP
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import matplotlib.pyplot as plt
@@ -51,7 +52,8 @@ class ResidualShrink(Analysis):
 
     def plan(self) -> list[RunSpec]:
         n, p = self.depth, self.preset
-        return [self.trained(run_name(i), p.model("post_ln", n, n, init=i), STEPS[p.name]) for i in INITS]
+        return [self.trained(run_name(i), p.model("post_ln", n, n, init=i), STEPS[p.name], k=k)
+                for k in self.seed_indices(trained=True) for i in INITS]
 
     def conclude(self, df: pd.DataFrame) -> list[claims.Verdict]:
         name, base, lip = self.preset.name, run_name("xavier"), run_name("lipschitz")
@@ -59,13 +61,16 @@ class ResidualShrink(Analysis):
         moments = (("first", "at init"), ("last", "trained"))
         for step, when in moments[:1] if self.init_only else moments:
             setting = f"{self.depth}L-{self.depth}L, {when}"
-            out.append(tag(claims.xu_table2_post_ln_shrinks(df, run=base, step=step, preset=name), setting))
-            out.append(tag(claims.xu_table2_lipschitz_closer(df, baseline_run=base, lipschitz_run=lip, step=step,
-                                                             preset=name), setting))
+            at_init = step == "first"  # what the inits give before any update: the method's check
+            rows = [claims.over_seeds(claims.xu_table2_post_ln_shrinks, df, run=base, step=step, preset=name,
+                                      min_seeds=1 if at_init else claims.MIN_SEEDS),
+                    claims.over_seeds(claims.xu_table2_lipschitz_closer, df, baseline_run=base, lipschitz_run=lip,
+                                      step=step, preset=name, min_seeds=1 if at_init else claims.MIN_SEEDS)]
+            out += [tag(dataclasses.replace(v, kind=claims.CONTROL) if at_init else v, setting) for v in rows]
         return out
 
     def draw(self, df: pd.DataFrame, verdicts) -> plt.Figure:
-        order = [run_name(i) for i in INITS]
+        order, df = [run_name(i) for i in INITS], self.first_seed(df)
         setting = f"post_ln {self.depth}L-{self.depth}L · preset {self.preset.name}"
         title = "LayerNorm w/σ per layer: below 1, a Post-LN norm shrinks the residual (Xu 2020 Table 2)"
         same = "same hyper-parameters for both inits; step 0 = training batch 1 before any update"

@@ -21,12 +21,13 @@ from typing import ClassVar
 import pandas as pd
 import torch
 from matplotlib.figure import Figure
+from tqdm.auto import tqdm
 
 from analyses.cli import parse_args
 from analyses.outputs import annotate, publish, report, save_figure, save_plain_table, saved_setting
 from analyses.runs import Bench, RunSpec, cap_steps, dry_run
 from gradscope import presets
-from gradscope.claims import Verdict
+from gradscope.claims import Verdict, seed_run, split_run
 from gradscope.io import load
 from gradscope.table import concat
 from gradscope.train import resolve_device
@@ -135,13 +136,28 @@ class Analysis:
             return list(verdicts)
         return [dataclasses.replace(v, detail=f"{notes}; {v.detail}" if v.detail else notes) for v in verdicts]
 
-    def trained(self, run: str, model, steps: int, **recipe) -> RunSpec:
+    def trained(self, run: str, model, steps: int, *, k: int = 0, **recipe) -> RunSpec:
         """A run trained ``steps`` steps with the preset's recipe (``recipe``: lr, warmup,
-        schedule overrides), capped at ``max_steps``; init only with ``init_only``."""
+        schedule overrides), capped at ``max_steps``; init only with ``init_only``. ``k``: the
+        seed index (seed ``self.seed + k``, run name ``claims.seed_run(run, k)``)."""
         if self.init_only:
-            return RunSpec(run, model)
-        config = self.preset.train(steps, seed=self.seed, device=self.device, **recipe)
-        return cap_steps(RunSpec(run, model, config), self.max_steps)
+            return self.init_run(run, model, k=k)
+        config = self.preset.train(steps, seed=self.seed + k, device=self.device, **recipe)
+        return cap_steps(RunSpec(seed_run(run, k), model, config, seed=self.seed + k), self.max_steps)
+
+    def init_run(self, run: str, model, *, k: int = 0) -> RunSpec:
+        """An init-only run at seed index ``k`` (seed ``self.seed + k``)."""
+        return RunSpec(seed_run(run, k), model, seed=self.seed + k)
+
+    def seed_indices(self, trained: bool) -> range:
+        """Seed indices of the runs: ``preset.train_seeds`` of them for trained runs,
+        ``preset.seeds`` for init-only ones (cheap)."""
+        return range(self.preset.train_seeds if trained and not self.init_only else self.preset.seeds)
+
+    @staticmethod
+    def first_seed(df: pd.DataFrame) -> pd.DataFrame:
+        """The rows of seed index 0 (the runs the figures draw)."""
+        return df.loc[df["run"].map(lambda r: split_run(str(r))[1] == 0)]
 
     def annotate(self, fig: Figure, title: str, lines: Sequence[str], verdicts: Sequence[Verdict]) -> Figure:
         """:func:`analyses.outputs.annotate` with the preset's line first."""
@@ -193,7 +209,8 @@ def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
             return []
         bench = Bench(task=task, device=device, batch_size=analysis.preset.batch_size, seed=args.seed,
                       progress=not args.no_progress)
-        table = concat(part for spec in specs for part in analysis.collect(spec, bench))
+        runs = tqdm(specs, desc=f"{kind.name} runs", unit="run", disable=True if args.no_progress else None)
+        table = concat(part for spec in runs for part in analysis.collect(spec, bench))
         verdicts = analysis.noted(analysis.conclude(table))
         for name, extra in analysis.extra_tables(table).items():
             save_plain_table(extra, args.out, name)

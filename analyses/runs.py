@@ -23,11 +23,13 @@ from gradscope.train.tasks import Task
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One model of an analysis: its run name, configuration and training (None: init only)."""
+    """One model of an analysis: its run name, configuration, training (None: init only) and
+    seed of init, data order and dropout (None: the bench's)."""
 
     run: str
     model: gradscope.ModelConfig
     train: TrainConfig | None = None
+    seed: int | None = None
 
     @property
     def init(self) -> str:
@@ -81,16 +83,22 @@ class Bench:
     seed: int
     progress: bool
 
+    def seed_of(self, spec: RunSpec) -> int:
+        """The spec's seed, or the bench's."""
+        return self.seed if spec.seed is None else spec.seed
+
     def measure(self, model: torch.nn.Module, *, run: str, quantities: Sequence[str], step: int,
-                split: str = "train", index: int = 1, eval_mode: bool = False) -> pd.DataFrame:
+                split: str = "train", index: int = 1, eval_mode: bool = False, seed: int | None = None
+                ) -> pd.DataFrame:
         """``gradscope.snapshot`` of one batch (``task.batch(split, index)``) labelled ``step``.
 
-        The model keeps its mode unless ``eval_mode`` (no dropout) is asked; dropout is seeded.
+        The model keeps its mode unless ``eval_mode`` (no dropout) is asked; dropout is seeded
+        (``seed``, default the bench's).
         """
         batch = tuple(t.to(self.device) for t in self.task.batch(split, index, self.batch_size))
         was_training = model.training
         model.train(not eval_mode and was_training)
-        torch.manual_seed(self.seed)
+        torch.manual_seed(self.seed if seed is None else seed)
         try:
             return gradscope.snapshot(model, self.task.model_inputs(batch), loss_for(self.task, self.task.targets(batch)),
                                       quantities=list(quantities), run=run, step=step)
@@ -110,10 +118,11 @@ class Bench:
             The model, its tidy table (the step-0 snapshot, then the training run's store:
             recorded quantities with loss, lr and val_loss) and whether the loss went non-finite.
         """
-        model = build(spec, self.seed, self.device)
+        seed = self.seed_of(spec)
+        model = build(spec, seed, self.device)
         parts: list[pd.DataFrame] = []
         if quantities:
-            parts.append(self.measure(model, run=spec.run, quantities=quantities, step=0))
+            parts.append(self.measure(model, run=spec.run, quantities=quantities, step=0, seed=seed))
         diverged = False
         if spec.train is not None:
             recorder = None

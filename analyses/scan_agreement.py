@@ -3,7 +3,9 @@
 For every (variant, init, depth) that ``analyses.convergence`` trains, the scan's verdict at
 step 0 — "at risk" when any stack's bottom/top gradient ratio leaves [0.1, 10] or a site is
 non-finite (``gradscope.scan``) — is compared with the run's outcome in
-``<out>/convergence_sweep.parquet`` (converged / failed, ``gradscope.claims.run_outcome``).
+``<out>/convergence_sweep.parquet`` (learned / failed / partial, ``gradscope.claims.run_outcome``:
+the one rule of every training claim). A *partial* run (left chance, did not learn) is
+neither, so it is listed but not counted as agreeing or disagreeing.
 Run ``analyses.convergence`` first at the same preset; ``python -m analyses`` does.
 
 Outputs: ``scan_agreement.md`` (the table, with the counts that agree and disagree) and
@@ -38,8 +40,9 @@ def scan_rows(specs, bench: Bench) -> pd.DataFrame:
     """One row per planned run: its step-0 scan numbers and verdict (training batch 1, before any update)."""
     rows = []
     for spec in specs:
-        model = build(spec, bench.seed, bench.device)
-        result = summarize(bench.measure(model, run=spec.run, quantities=SCAN_QUANTITIES, step=0))
+        model = build(spec, bench.seed_of(spec), bench.device)
+        result = summarize(bench.measure(model, run=spec.run, quantities=SCAN_QUANTITIES, step=0,
+                                         seed=bench.seed_of(spec)))
         rows.append({"run": spec.run, "variant": spec.model.variant, "init": spec.init, "depth": spec.depth,
                      "encoder_bottom_top": result.decay.get("encoder"), "decoder_bottom_top": result.decay.get("decoder"),
                      "min_ln_gain": result.smallest_gain[1] if result.smallest_gain else None,
@@ -48,10 +51,13 @@ def scan_rows(specs, bench: Bench) -> pd.DataFrame:
 
 
 def agreement(scans: pd.DataFrame, sweep: pd.DataFrame) -> pd.DataFrame:
-    """Scan verdicts joined with outcomes; ``agree`` = (healthy and converged) or (at risk and failed)."""
-    outcome = sweep[["run", "converged"]].assign(outcome=lambda d: d.converged.map({True: "converged", False: "failed"}))
+    """Scan verdicts joined with outcomes (``learned``, ``failed``, ``partial``); ``agree`` =
+    (healthy and learned) or (at risk and failed), NA for a partial or undecided run."""
+    outcome = sweep[["run", "converged"]].assign(
+        outcome=lambda d: d.converged.map({True: "learned", False: "failed"}).fillna("partial").astype(str))
     table = scans.merge(outcome[["run", "outcome"]], on="run", how="left")
-    table["agree"] = (table.scan == "healthy") == (table.outcome == "converged")
+    decided = table.outcome.isin(["learned", "failed"])
+    table["agree"] = ((table.scan == "healthy") == (table.outcome == "learned")).astype("boolean").where(decided, pd.NA)
     return table
 
 
@@ -74,22 +80,27 @@ def scan_markdown(table: pd.DataFrame, preset: str, notes: list[str]) -> str:
 
 def markdown(table: pd.DataFrame, preset: str) -> str:
     """The agreement table with its counts, as ``scan_agreement.md``."""
-    counts = pd.crosstab(table.scan, table.outcome).reindex(index=["healthy", "at risk"], columns=["converged", "failed"], fill_value=0)
-    n, agree = len(table), int(table.agree.sum())
+    counts = pd.crosstab(table.scan, table.outcome).reindex(index=["healthy", "at risk"],
+                                                            columns=["learned", "failed", "partial"], fill_value=0)
+    decided = table.agree.notna()
+    n, agree = int(decided.sum()), int(table.agree.fillna(False).astype(bool).sum())
     lines = [
         f"# Scan at step 0 vs. training outcome (preset {preset})", "",
         f"Written by `python -m analyses.{NAME}`. Scan verdict: *at risk* when a stack's gradient-norm ratio "
         f"bottom/top layer output leaves [{DECAY_VANISHING:g}, {DECAY_EXPLODING:g}] or a site is non-finite, "
-        "else *healthy*. Outcome from `analyses.convergence` (converged = finite and best validation loss "
-        "≤ 0.75 × the untrained loss).", "",
-        f"**{agree} of {n} runs agree, {n - agree} disagree.**", "",
-        "| scan \\ outcome | converged | failed |", "|---|---|---|",
-        *(f"| {scan} | {counts.loc[scan, 'converged']} | {counts.loc[scan, 'failed']} |" for scan in counts.index), "",
+        "else *healthy*. Outcome from `analyses.convergence` (`gradscope.claims.outcome`: learned = closed "
+        ">= half the gap between the task's chance loss and floor; failed = diverged or stuck at chance; "
+        "partial = neither, not counted).", "",
+        f"**{agree} of {n} decided runs agree, {n - agree} disagree; {len(table) - n} partial.**", "",
+        "| scan \\ outcome | learned | failed | partial |", "|---|---|---|---|",
+        *(f"| {scan} | {counts.loc[scan, 'learned']} | {counts.loc[scan, 'failed']} | {counts.loc[scan, 'partial']} |"
+          for scan in counts.index), "",
         "| run | encoder bottom/top | decoder bottom/top | min LN gain | scan | outcome | agree |", "|---|---|---|---|---|---|---|",
     ]
     for r in table.itertuples():
         lines.append(f"| {r.run} | {r.encoder_bottom_top:.3g} | {r.decoder_bottom_top:.3g} | "
-                     f"{r.min_ln_gain:.3g} | {r.scan} | {r.outcome} | {'yes' if r.agree else '**no**'} |")
+                     f"{r.min_ln_gain:.3g} | {r.scan} | {r.outcome} | "
+                     f"{'—' if pd.isna(r.agree) else 'yes' if r.agree else '**no**'} |")
     return "\n".join(lines) + "\n"
 
 

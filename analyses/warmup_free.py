@@ -25,6 +25,7 @@ from analyses.outputs import tag
 from analyses.runner import Analysis, entry_point
 from analyses.runs import RunSpec
 from gradscope import claims, plots
+from gradscope.train import loss_bounds
 
 VARIANTS = ("post_ln", "pre_ln", "scalenorm")
 LR = 2e-3
@@ -44,19 +45,21 @@ class WarmupFree(Analysis):
 
     def plan(self) -> list[RunSpec]:
         n, p = self.depth, self.preset
-        return [self.trained(v, p.model(v, n, n), STEPS[p.name], lr=LR, warmup=0, schedule="constant")
-                for v in VARIANTS]
+        return [self.trained(v, p.model(v, n, n), STEPS[p.name], k=k, lr=LR, warmup=0, schedule="constant")
+                for k in self.seed_indices(trained=True) for v in VARIANTS]
 
     def quantities_for(self, spec: RunSpec) -> tuple[str, ...]:
         """g only exists in the ScaleNorm model."""
         return self.quantities if spec.model.variant == "scalenorm" else ()
 
     def conclude(self, df: pd.DataFrame) -> list[claims.Verdict]:
-        v = claims.nguyen_warmup_free(df, preset=self.preset.name)
+        bounds = loss_bounds(self.task(self.seed), self.preset.train(1).label_smoothing)
+        v = claims.over_seeds(claims.nguyen_warmup_free, df, bounds=bounds, preset=self.preset.name)
         return [tag(v, f"{self.depth}L-{self.depth}L, constant lr {LR:g}")]
 
     def draw(self, df: pd.DataFrame, verdicts) -> plt.Figure:
         fig, axes = plt.subplots(2, 2, figsize=(15, 10), layout="constrained")
+        df = self.first_seed(df)
         setting = f"{self.depth}L-{self.depth}L, no warm-up, lr {LR:g} · preset {self.preset.name}"
         for ax, quantity in zip(axes[0], ("loss", "val_loss")):
             plots.loss_curves(df, quantity=quantity, hue_order=VARIANTS, ax=ax, title=f"Nguyen & Salazar: {setting}")

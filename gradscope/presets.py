@@ -65,6 +65,11 @@ class Preset:
         lr: peak learning rate (Takase 2022 Table 7: 1e-3).
         warmup_fraction: warm-up steps as a fraction of a run's steps (4k / 50k = 0.08).
         eval_batches: validation batches per evaluation; 10 evaluations per run.
+        seeds: seeds of each init-only run (cheap): a claim is decided over >= 3
+            (``gradscope.claims.seeds``).
+        train_seeds: seeds of each trained run. Fewer than 3 leave every trained claim
+            inconclusive (``ci``; ``default`` until issue 49's budget of longer, fewer runs
+            makes 3 fit in its time).
     """
 
     name: str
@@ -75,6 +80,8 @@ class Preset:
     lr: float = 1e-3
     warmup_fraction: float = 0.08
     eval_batches: int = 4
+    seeds: int = 3
+    train_seeds: int = 1
 
     def model(self, variant: str, n_enc: int, n_dec: int, **options: object) -> ModelConfig:
         """An encoder-decoder ``ModelConfig`` of this preset's size."""
@@ -113,7 +120,8 @@ def default() -> Preset:
 
 def paper() -> Preset:
     """The papers' size (:func:`base`: d=512, 8 heads, d_ff=2048, dropout 0.1), for a GPU."""
-    return Preset(name="paper", size=base(vocab=64, max_len=32), batch_size=256, deep=18, shallow=6, eval_batches=16)
+    return Preset(name="paper", size=base(vocab=64, max_len=32), batch_size=256, deep=18, shallow=6, eval_batches=16,
+                  train_seeds=3)
 
 
 PRESETS: dict[str, Callable[[], Preset]] = {"ci": ci, "default": default, "paper": paper}

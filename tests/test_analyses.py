@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import gradscope
+from gradscope import claims
 from analyses import ANALYSES
 from analyses import __main__ as run_all
 from analyses.cli import make_parser
@@ -18,7 +19,7 @@ from analyses.runs import RunSpec
 from gradscope.presets import PRESETS
 from gradscope.table import SWEEP_COLUMNS
 
-VERDICT_LINE = re.compile(r"^\[(holds|does not hold|not measured)\] .+ \(preset ci\)", re.MULTILINE)
+VERDICT_LINE = re.compile(r"^\[(holds|does not hold|inconclusive)\] (control: )?.+ \(preset ci\)", re.MULTILINE)
 TRAINED = ("cosine", "dlcl_weights", "residual_shrink", "warmup_free", "convergence")
 
 
@@ -63,7 +64,7 @@ def test_analysis_runs_at_ci(name, tmp_path, capsys):
         import pandas as pd
 
         sweep = pd.read_parquet(tmp_path / "convergence_sweep.parquet")
-        assert list(sweep.columns) == list(SWEEP_COLUMNS)
+        assert list(sweep.columns) == list(claims.SUMMARY_COLUMNS) and list(sweep.columns[:6]) == list(SWEEP_COLUMNS)
         assert len(sweep) == len(specs(name, "ci"))
     if name == "dlcl_weights":  # the figure states preset, step and masking on itself
         fig = module(name).ANALYSIS("ci").draw(table, [])
@@ -111,7 +112,8 @@ def test_paper_preset_plans_the_papers_sizes(name):
         assert (m.d_model, m.n_heads, m.d_ff, m.dropout) == (512, 8, 2048, 0.1)
         if spec.train is not None:
             t = spec.train
-            assert t.steps == 50_000 and t.betas == (0.9, 0.98) and t.label_smoothing == 0.1
+            steps = module(name).WANG_STEPS["paper"] if name == "grad_norms" else 50_000  # (the first steps of a run)
+            assert t.steps == steps and t.betas == (0.9, 0.98) and t.label_smoothing == 0.1
             assert t.warmup == (0 if name == "warmup_free" else 4000)  # Takase 2022 Table 7: 4k of 50k
     depths = {(s.model.n_enc, s.model.n_dec) for s in plan}
     expected = {"grad_norms": {(18, 18), (6, 6), (30, 6)}, "ln_locations": {(18, 18)},
@@ -124,13 +126,18 @@ def test_paper_preset_plans_the_papers_sizes(name):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("name", TRAINED)
 def test_same_hyper_parameters_for_every_run(name, preset):
-    configs = {dataclasses.astuple(s.train) for s in specs(name, preset)}
+    plan = specs(name, preset)
+    configs = {dataclasses.astuple(s.train.replace(seed=0)) for s in plan}
     assert len(configs) == 1
+    seeds = sorted({s.train.seed for s in plan})  # the seeds differ, and only they
+    assert seeds == list(range(PRESETS[preset]().train_seeds)) and all(s.seed == s.train.seed for s in plan)
 
 
 def test_max_steps_caps_training():
-    (spec,) = module("dlcl_weights").ANALYSIS("paper", max_steps=20).plan()
-    assert spec.train.steps == 20 and spec.train.warmup == 2 and spec.train.eval_every == 2
+    plan = module("dlcl_weights").ANALYSIS("paper", max_steps=20).plan()
+    assert len(plan) == 3 and [s.run.rsplit(" · ", 1)[-1] for s in plan[1:]] == ["seed 1", "seed 2"]
+    for spec in plan:
+        assert spec.train.steps == 20 and spec.train.warmup == 2 and spec.train.eval_every == 2
 
 
 def test_run_all_dry_run(tmp_path, capsys):

@@ -18,12 +18,16 @@ def test_scan_agreement_at_ci(tmp_path, capsys):
     ratios = table[["encoder_bottom_top", "decoder_bottom_top"]]
     outside = ((ratios < DECAY_VANISHING) | (ratios > DECAY_EXPLODING)).any(axis=1)
     assert list(table.scan == "at risk") == list(outside)  # no non-finite sites at init
-    merged = table.merge(sweep[["run", "converged"]], on="run")
-    assert list(merged.agree) == list((merged.scan == "healthy") == merged.converged)
+    merged = table.merge(sweep[["run", "converged", "outcome"]].rename(columns={"outcome": "status"}), on="run")
+    decided = merged.status.isin(["learned", "stuck at chance", "diverged"])
+    assert list(merged.agree.notna()) == list(decided)  # a partial run is neither
+    expected = (merged.scan == "healthy") == merged.converged.astype("boolean")
+    assert list(merged.agree[decided]) == list(expected[decided])
     text = (tmp_path / "scan_agreement.md").read_text()
-    n_agree = int(merged.agree.sum())
-    assert f"**{n_agree} of {len(merged)} runs agree, {len(merged) - n_agree} disagree.**" in text
-    assert f"{n_agree} of {len(merged)} runs agree" in capsys.readouterr().out
+    n, n_agree = int(decided.sum()), int(merged.agree[decided].sum())
+    said = f"**{n_agree} of {n} decided runs agree, {n - n_agree} disagree; {len(merged) - n} partial.**"
+    assert said in text
+    assert said.strip("*") in capsys.readouterr().out
 
 
 def test_scan_agreement_needs_the_sweep(tmp_path):

@@ -1,4 +1,4 @@
-"""Claim rules on synthetic tables built here: holds, does not hold, not measured; CLAIMS.md."""
+"""Claim rules on synthetic tables built here: holds, does not hold, inconclusive; CLAIMS.md."""
 
 from __future__ import annotations
 
@@ -15,6 +15,9 @@ import pytest  # noqa: E402
 from gradscope import claims  # noqa: E402
 from gradscope.claims import Verdict  # noqa: E402
 from gradscope.table import make_frame  # noqa: E402
+from gradscope.train import LossBounds  # noqa: E402
+
+BOUNDS = LossBounds(chance=5.0, floor=1.0, chance_accuracy=0.1, smoothing=0.1)  # gap closed = (5 - best) / 4
 
 
 def frame(*parts: list[dict]) -> pd.DataFrame:
@@ -72,9 +75,15 @@ def w_sigma(run: str, values: Sequence[float]) -> list[dict]:
                  quantity="ln_w_over_sigma", value=v) for i, v in enumerate(values, start=1)]
 
 
+OUTCOME_OF = {True: "learned", False: "stuck at chance", None: "partial"}
+
+
 def summary(rows: list[tuple]) -> pd.DataFrame:
-    return pd.DataFrame([dict(run=f"r{k}", variant=v, init=i, depth=d, best_val_loss=b, converged=c)
-                         for k, (v, i, d, b, c) in enumerate(rows)], columns=list(claims.SWEEP_COLUMNS))
+    """(variant, init, depth, best, converged[, seed]) rows as a sweep summary."""
+    return pd.DataFrame([dict(run=f"r{k}", variant=r[0], init=r[1], depth=r[2], best_val_loss=r[3],
+                              converged=pd.NA if r[4] is None else r[4], seed=r[5] if len(r) > 5 else 0,
+                              gap_closed=BOUNDS.gap_closed(r[3]), accuracy=np.nan, outcome=OUTCOME_OF[r[4]])
+                         for k, r in enumerate(rows)], columns=list(claims.SUMMARY_COLUMNS))
 
 
 AVG = np.tril(1.0 / (np.arange(5)[:, None] + 1) * np.ones((5, 5)))     # DLCL `avg` init, L = 4
@@ -86,7 +95,8 @@ DIAGONAL = AVG + np.diag(np.full(5, 2.0))
 UP, DOWN = [0.1, 0.2, 0.4, 0.8], [0.8, 0.4, 0.2, 0.1]
 CONV, STUCK = [5.0, 3.0, 2.0], [5.0, 4.8, 4.7]
 F = claims
-H, N, M = "holds", "does not hold", "not measured"
+H, N, M = "holds", "does not hold", "inconclusive"
+PARTIAL = [5.0, 3.5, 3.7]  # best 3.5: 37.5 % of the gap, neither learned nor stuck
 
 
 def dl(w: np.ndarray) -> pd.DataFrame:
@@ -138,28 +148,49 @@ CASES: dict[str, tuple[Callable[[], Verdict], str]] = {
     "fig5 b2t holds": (lambda: F.takase_fig5_b2t_keeps_post_ln(cos(post_ln=0.2, pre_ln=0.8, b2t=0.3)), H),
     "fig5 b2t fails": (lambda: F.takase_fig5_b2t_keeps_post_ln(cos(post_ln=0.2, pre_ln=0.8, b2t=0.9)), N),
     "fig5 b2t missing": (lambda: F.takase_fig5_b2t_keeps_post_ln(cos(post_ln=0.2, pre_ln=0.8)), M),
-    "fig1 holds": (lambda: F.takase_fig1_convergence(loss_runs(post_ln=STUCK, pre_ln=CONV, b2t=[5.0, 3.5, 3.7])), H),
+    "fig1 holds": (lambda: F.takase_fig1_convergence(loss_runs(post_ln=STUCK, pre_ln=CONV, b2t=CONV), BOUNDS), H),
+    "fig1 partial b2t inconclusive": (
+        lambda: F.takase_fig1_convergence(loss_runs(post_ln=STUCK, pre_ln=CONV, b2t=PARTIAL), BOUNDS), M),
+    "fig1 partial post_ln inconclusive": (
+        lambda: F.takase_fig1_convergence(loss_runs(post_ln=PARTIAL, pre_ln=CONV, b2t=CONV), BOUNDS), M),
     "fig1 diverged post holds": (
-        lambda: F.takase_fig1_convergence(loss_runs(post_ln=[5.0, np.nan, 2.0], pre_ln=CONV, b2t=CONV)), H),
-    "fig1 fails": (lambda: F.takase_fig1_convergence(loss_runs(post_ln=CONV, pre_ln=CONV, b2t=CONV)), N),
-    "fig1 b2t stuck fails": (lambda: F.takase_fig1_convergence(loss_runs(post_ln=STUCK, pre_ln=CONV, b2t=STUCK)), N),
-    "fig1 missing": (lambda: F.takase_fig1_convergence(loss_runs(post_ln=STUCK, pre_ln=CONV)), M),
+        lambda: F.takase_fig1_convergence(loss_runs(post_ln=[5.0, np.nan, 2.0], pre_ln=CONV, b2t=CONV), BOUNDS), H),
+    "fig1 fails": (lambda: F.takase_fig1_convergence(loss_runs(post_ln=CONV, pre_ln=CONV, b2t=CONV), BOUNDS), N),
+    "fig1 b2t stuck fails": (
+        lambda: F.takase_fig1_convergence(loss_runs(post_ln=STUCK, pre_ln=CONV, b2t=STUCK), BOUNDS), N),
+    "fig1 missing": (lambda: F.takase_fig1_convergence(loss_runs(post_ln=STUCK, pre_ln=CONV), BOUNDS), M),
     "fig1 no val_loss": (
         lambda: F.takase_fig1_convergence(frame(train_only("post_ln", STUCK), losses("pre_ln", CONV),
-                                                losses("b2t", CONV))), M),
+                                                losses("b2t", CONV)), BOUNDS), M),
     "sweep fails deep holds": (lambda: F.sweep_post_ln_fails_deep(sw(
         (*XAV, 6, 4.0, True), (*XAV, 18, np.nan, False), ("pre_ln", "xavier", 18, 3.0, True),
-        ("b2t", "xavier", 18, 3.0, True))), H),
+        ("b2t", "xavier", 18, 3.0, True)), min_seeds=1), H),
+    "sweep fails deep one seed": (lambda: F.sweep_post_ln_fails_deep(sw(
+        (*XAV, 6, 4.0, True), (*XAV, 18, np.nan, False), ("pre_ln", "xavier", 18, 3.0, True),
+        ("b2t", "xavier", 18, 3.0, True))), M),
+    "sweep fails deep, a train partial": (lambda: F.sweep_post_ln_fails_deep(sw(
+        (*XAV, 18, np.nan, False), ("pre_ln", "xavier", 18, 3.0, True), ("b2t", "xavier", 18, 3.5, None)),
+        min_seeds=1), M),
     "sweep fails deep fails": (lambda: F.sweep_post_ln_fails_deep(sw(
-        (*XAV, 18, 3.5, True), ("pre_ln", "xavier", 18, 3.0, True), ("b2t", "xavier", 18, 3.0, True))), N),
+        (*XAV, 18, 3.5, True), ("pre_ln", "xavier", 18, 3.0, True), ("b2t", "xavier", 18, 3.0, True)),
+        min_seeds=1), N),
     "sweep fails deep missing": (lambda: F.sweep_post_ln_fails_deep(sw(
-        (*XAV, 18, np.nan, False), ("pre_ln", "xavier", 18, 3.0, True), ("b2t", "xavier", 12, 3.0, True))), M),
+        (*XAV, 18, np.nan, False), ("pre_ln", "xavier", 18, 3.0, True), ("b2t", "xavier", 12, 3.0, True)),
+        min_seeds=1), M),
     "lipschitz holds": (lambda: F.sweep_lipschitz_rescues(sw(
-        (*XAV, 18, np.nan, False), (*LIP, 18, 3.0, True), (*LIP, 24, 3.0, True))), H),
-    "lipschitz fails": (lambda: F.sweep_lipschitz_rescues(sw((*XAV, 18, np.nan, False), (*LIP, 18, np.nan, False))), N),
+        (*XAV, 18, np.nan, False), (*LIP, 18, 3.0, True), (*LIP, 24, 3.0, True)), min_seeds=1), H),
+    "lipschitz partial inconclusive": (lambda: F.sweep_lipschitz_rescues(sw(
+        (*XAV, 18, 4.9, False), (*LIP, 18, 4.1, None)), min_seeds=1), M),
+    "lipschitz fails": (lambda: F.sweep_lipschitz_rescues(sw((*XAV, 18, np.nan, False), (*LIP, 18, np.nan, False)),
+                                                          min_seeds=1), N),
     "lipschitz nothing to rescue": (
-        lambda: F.sweep_lipschitz_rescues(sw((*XAV, 18, 3.1, True), (*LIP, 18, 3.0, True))), N),
+        lambda: F.sweep_lipschitz_rescues(sw((*XAV, 18, 3.1, True), (*LIP, 18, 3.0, True)), min_seeds=1), N),
     "lipschitz missing": (lambda: F.sweep_lipschitz_rescues(sw((*XAV, 18, np.nan, False))), M),
+    "lipschitz three seeds hold": (lambda: F.sweep_lipschitz_rescues(sw(
+        *[(*XAV, 18, 4.9, False, k) for k in range(3)], *[(*LIP, 18, 2.0, True, k) for k in range(3)])), H),
+    "lipschitz three seeds disagree": (lambda: F.sweep_lipschitz_rescues(sw(
+        *[(*XAV, 18, 4.9, False, k) for k in range(3)], (*LIP, 18, 2.0, True, 0), (*LIP, 18, 2.0, True, 1),
+        (*LIP, 18, 4.9, False, 2))), M),
     "wang embed holds": (lambda: F.wang_embed_grad_vanishes(embeds((2, 1.0), (4, 0.5), (6, 0.1))), H),
     "wang embed fails": (lambda: F.wang_embed_grad_vanishes(embeds((2, 0.1), (4, 0.5), (6, 1.0))), N),
     "wang embed two depths": (lambda: F.wang_embed_grad_vanishes(embeds((2, 1.0), (4, 0.5))), M),
@@ -176,11 +207,13 @@ CASES: dict[str, tuple[Callable[[], Verdict], str]] = {
     "xu lipschitz holds": (lambda: F.xu_table2_lipschitz_closer(ws(base=[0.5, 0.6], lip=[0.9, 1.05]), **LIPS), H),
     "xu lipschitz fails": (lambda: F.xu_table2_lipschitz_closer(ws(base=[0.9, 1.05], lip=[0.5, 1.6]), **LIPS), N),
     "xu lipschitz missing": (lambda: F.xu_table2_lipschitz_closer(ws(base=[0.5]), **LIPS), M),
-    "nguyen holds": (lambda: F.nguyen_warmup_free(loss_runs(post_ln=[5.0, np.inf], pre_ln=CONV, scalenorm=CONV)), H),
-    "nguyen higher loss holds": (
-        lambda: F.nguyen_warmup_free(loss_runs(post_ln=[5.0, 3.0, 2.5], pre_ln=CONV, scalenorm=CONV)), H),
-    "nguyen fails": (lambda: F.nguyen_warmup_free(loss_runs(post_ln=[5.0, 3.0, 1.0], pre_ln=CONV, scalenorm=CONV)), N),
-    "nguyen missing": (lambda: F.nguyen_warmup_free(loss_runs(post_ln=STUCK, pre_ln=CONV)), M),
+    "nguyen holds": (
+        lambda: F.nguyen_warmup_free(loss_runs(post_ln=[5.0, np.inf], pre_ln=CONV, scalenorm=CONV), BOUNDS), H),
+    "nguyen post_ln partial inconclusive": (
+        lambda: F.nguyen_warmup_free(loss_runs(post_ln=PARTIAL, pre_ln=CONV, scalenorm=CONV), BOUNDS), M),
+    "nguyen fails": (
+        lambda: F.nguyen_warmup_free(loss_runs(post_ln=[5.0, 3.0, 1.0], pre_ln=CONV, scalenorm=CONV), BOUNDS), N),
+    "nguyen missing": (lambda: F.nguyen_warmup_free(loss_runs(post_ln=STUCK, pre_ln=CONV), BOUNDS), M),
 }
 
 
@@ -189,7 +222,7 @@ def test_claim_rule(case, tmp_path):
     build, expected = CASES[case]
     v = build()
     assert v.status == expected, (v, case)
-    assert (v.holds is None) == (expected == "not measured")
+    assert (v.holds is None) == (expected == "inconclusive")
     if v.holds is not None:
         assert v.values and all(isinstance(x, float) for x in v.values.values())
     path = claims.write_claims([v], tmp_path / "figures" / "CLAIMS.md", analysis="x")
@@ -228,29 +261,41 @@ def test_lower_left_block_and_row_density():
 def test_run_outcome_and_sweep_summary():
     df = frame(losses("a", CONV, "post_ln"), losses("b", STUCK, "post_ln"), losses("c", [5.0, 3.0], "pre_ln"),
                [dict(run="c", variant="pre_ln", step=10, quantity="nonfinite", site="x", value=0.0)],
-               train_only("d", [5.0], "pre_ln"))
-    assert claims.run_outcome(df, "a").converged is True
-    assert claims.run_outcome(df, "b").converged is False
-    out_c = claims.run_outcome(df, "c")
-    assert (out_c.converged, out_c.diverged_at) == (False, 10)
-    assert claims.run_outcome(df, "d").converged is None
-    assert claims.run_outcome(df, "b", max_fraction=0.95).converged is True
-    meta = pd.DataFrame({"run": ["a", "b", "d"], "init": ["xavier", "lipschitz", "xavier"], "depth": [6, 18, 6]})
-    summ = claims.sweep_summary(df, meta)
-    assert tuple(summ.columns) == claims.SWEEP_COLUMNS
-    np.testing.assert_array_equal(summ["best_val_loss"], [2.0, 4.7, np.nan])
-    assert summ["converged"].tolist()[:2] == [True, False] and pd.isna(summ["converged"].iloc[2])
-    assert summ["variant"].tolist() == ["post_ln", "post_ln", "pre_ln"]
+               train_only("d", [5.0], "pre_ln"), losses("e · seed 2", PARTIAL, "pre_ln"))
+    assert claims.run_outcome(df, "a", BOUNDS).status == "learned"
+    assert claims.run_outcome(df, "b", BOUNDS).status == "stuck at chance"
+    out_c = claims.run_outcome(df, "c", BOUNDS)
+    assert (out_c.status, out_c.converged, out_c.diverged_at) == ("diverged", False, 10)
+    assert claims.run_outcome(df, "d", BOUNDS).converged is None
+    assert claims.run_outcome(df, "e · seed 2", BOUNDS).status == "partial"
+    meta = pd.DataFrame({"run": ["a", "b", "d", "e · seed 2"], "init": ["xavier", "lipschitz", "xavier", "xavier"],
+                         "depth": [6, 18, 6, 6]})
+    summ = claims.sweep_summary(df, meta, BOUNDS)
+    assert tuple(summ.columns) == claims.SUMMARY_COLUMNS and tuple(summ.columns[:6]) == claims.SWEEP_COLUMNS
+    np.testing.assert_array_equal(summ["best_val_loss"], [2.0, 4.7, np.nan, 3.5])
+    np.testing.assert_allclose(summ["gap_closed"], [0.75, 0.075, np.nan, 0.375])
+    assert summ["converged"].tolist()[:2] == [True, False] and summ["converged"].isna().tolist()[2:] == [True, True]
+    assert summ["seed"].tolist() == [0, 0, 0, 2]
+    assert summ["variant"].tolist() == ["post_ln", "post_ln", "pre_ln", "pre_ln"]
 
 
-def test_run_outcome_measures_from_the_untrained_loss():
-    """The first evaluation comes after training started; the reference is step 1's training loss."""
-    rows = [dict(run="r", variant="pre_ln", step=1, quantity="loss", value=6.0, reduction="mean"),
-            dict(run="r", variant="pre_ln", step=50, quantity="val_loss", value=4.0),
-            dict(run="r", variant="pre_ln", step=100, quantity="val_loss", value=3.9)]
-    out = claims.run_outcome(make_frame(rows), "r")
-    assert (out.initial, out.best, out.converged) == (6.0, 3.9, True)
-    assert claims.run_outcome(make_frame(rows), "r", quantity="loss").converged is False
+def test_outcome_is_anchored_to_the_task_not_the_untrained_loss():
+    """A run that starts far above chance and ends just below it is stuck, however far it fell
+    (the old rule, best <= 0.75 x the untrained loss, called it converged)."""
+    rows = [dict(run="r", variant="dlcl_pre", step=1, quantity="loss", value=9.0, reduction="mean"),
+            dict(run="r", variant="dlcl_pre", step=50, quantity="val_loss", value=4.8),
+            dict(run="r", variant="dlcl_pre", step=50, quantity="val_accuracy", value=0.12)]
+    out = claims.run_outcome(make_frame(rows), "r", BOUNDS)
+    assert (out.initial, out.best, out.status) == (9.0, 4.8, "stuck at chance")
+    assert out.gap_closed == pytest.approx(0.05) and out.accuracy == pytest.approx(0.12)
+
+
+@pytest.mark.parametrize(("gap", "accuracy", "diverged", "status"), [
+    (0.6, np.nan, False, "learned"), (0.6, 0.7, False, "learned"), (0.6, 0.3, False, "partial"),
+    (0.3, 0.9, False, "partial"), (0.05, np.nan, False, "stuck at chance"), (-0.2, 0.0, False, "stuck at chance"),
+    (0.9, 0.9, True, "diverged"), (np.nan, np.nan, False, "undecided")])
+def test_outcome_thresholds(gap, accuracy, diverged, status):
+    assert claims.classify(gap, accuracy, diverged) == status
 
 
 def _verdict(claim: str, holds: bool | None) -> Verdict:
@@ -263,7 +308,7 @@ def test_write_claims_replaces_only_its_section(tmp_path):
     claims.write_claims([_verdict("alpha one", False), _verdict("alpha two", None)], path, analysis="alpha")
     text = path.read_text()
     assert text.index("## alpha") < text.index("## beta")
-    assert "| does not hold |" in text and "| not measured |" in text and "| holds |" in text
+    assert "| does not hold |" in text and "| inconclusive |" in text and "| holds |" in text
     assert "a \\| b < 1" in text
     claims.write_claims([_verdict("beta new", False)], path, analysis="beta")
     new = path.read_text()

@@ -75,6 +75,6 @@ def test_committed_figure_tables_load_and_feed_the_claims():
     assert (sites["role"] != "").all() and (df.loc[df["quantity"] != "act_grad_norm", "role"] == "").all()
     assert set(sites.loc[sites["role"] == "layer_out", "site"]) == {f"{s}.layers.{i}.out" for s in ("encoder", "decoder")
                                                                   for i in range(int(sites["layer"].max()))}
-    assert claims.takase_fig4_ln_drops(df).holds is not None  # the locations are found by role
+    assert claims.over_seeds(claims.takase_fig4_ln_drops, df).holds is not None  # the locations are found by role
     grads = gradscope.load(FIGURES / "grad_norms.parquet")
     assert set(grads.loc[grads["role"] == "embed", "site"]) == {"encoder.embed.out", "decoder.embed.out"}

@@ -15,6 +15,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from gradscope.table import COLUMNS
 from gradscope.train import (
     TrainConfig,
+    evaluate,
+    evaluate_metrics,
     label_smoothed_loss,
     load_checkpoint,
     make_optimizer,
@@ -157,7 +159,7 @@ def test_history_is_a_tidy_table():
     h = result.history
     assert tuple(h.columns) == COLUMNS and set(h["run"]) == {"r1"} and set(h["variant"]) == {"toy"}
     assert h.groupby("quantity")["step"].apply(list).to_dict() == {
-        "loss": list(range(1, 8)), "lr": list(range(1, 8)), "val_loss": [3, 6]}
+        "loss": list(range(1, 8)), "lr": list(range(1, 8)), "val_loss": [3, 6], "val_accuracy": [3, 6]}
     lr = result.curve("lr")
     assert [lr[s] for s in (1, 4, 7)] == pytest.approx([1e-3 / 4, 1e-3, 1e-3 * math.sqrt(4 / 7)])
     assert set(h.loc[h["quantity"] != "lr", "reduction"]) == {"mean"}
@@ -307,3 +309,25 @@ def test_zoo_model_learns_reverse_when_available():
     result = train(model, _reverse(), _cfg(steps=150, batch_size=32, warmup=20, eval_every=0), progress=False)
     loss = result.curve("loss")
     assert not result.diverged and loss.iloc[-20:].mean() < 0.7 * loss.iloc[:10].mean()
+
+
+class _AlwaysEos(torch.nn.Module):
+    """Logits that put every position on EOS (argmax), whatever the input."""
+
+    def __init__(self, vocab: int):
+        super().__init__()
+        self.vocab, self.bias = vocab, torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, src, tgt_in):
+        logits = torch.zeros(*tgt_in.shape, self.vocab) + self.bias
+        logits[..., 2] = 5.0
+        return logits
+
+
+def test_evaluate_metrics_accuracy_is_the_share_of_tokens_predicted():
+    task = _reverse()
+    loss, accuracy = evaluate_metrics(_AlwaysEos(task.vocab), task, batch_size=8, n_batches=3)
+    targets = torch.cat([task.targets(task.batch("valid", i, 8)).flatten() for i in range(3)])
+    targets = targets[targets != task.pad_id]
+    assert accuracy == pytest.approx(float((targets == 2).double().mean()), abs=1e-12)
+    assert 0 < accuracy < 0.5 and loss == evaluate(_AlwaysEos(task.vocab), task, batch_size=8, n_batches=3)

@@ -153,6 +153,16 @@ def test_dlcl_post_combination_formula():
         torch.testing.assert_close(sites[f"encoder.layers.{l}.in"], expected, rtol=1e-5, atol=1e-5)
     final = comb.norms["3"].inner(sum(W[3, k] * ys[k] for k in range(4)))
     torch.testing.assert_close(sites["encoder.combine.out"], final, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sites["encoder.layers.0.in"], W[0, 0] * ys[0])  # the official code: no LN'_0
+
+
+def test_dlcl_post_embedding_ln_option():
+    torch.manual_seed(0)
+    model = gradscope.build_model(tiny("dlcl_post", "encoder", n_enc=2, dlcl_embed_ln=True))
+    comb = model.encoder.combine
+    sites = capture_sites(model, batch(model.config))
+    expected = comb.norms["0"].inner(comb.weight.detach()[0, 0] * sites["encoder.embed.out"])
+    torch.testing.assert_close(sites["encoder.layers.0.in"], expected, rtol=1e-5, atol=1e-5)
 
 
 def test_scalenorm_formula():

@@ -19,33 +19,64 @@ def linears(model, stack):
                 yield l, name.rsplit(".", 1)[-1], name, m
 
 
-@pytest.mark.parametrize(
-    "arch,N,M,expected",
-    [
-        ("encoder", 4, 1, {"encoder": ((2 * 4) ** 0.25, (8 * 4) ** -0.25)}),
-        ("decoder", 1, 5, {"decoder": ((2 * 5) ** 0.25, (8 * 5) ** -0.25)}),
-        (
-            "encoder_decoder", 4, 3,
-            {"encoder": (0.81 * (4**4 * 3) ** (1 / 16), 0.87 * (4**4 * 3) ** (-1 / 16)),
-             "decoder": ((3 * 3) ** 0.25, (12 * 3) ** -0.25)},
-        ),
-    ],
-)
-def test_deepnorm_alpha_and_beta(arch, N, M, expected):
-    cfg = dict(n_enc=N, n_dec=M)
+DEEPNORM_CASES = [
+    ("encoder", 4, 1, {"encoder": ((2 * 4) ** 0.25, (8 * 4) ** -0.25)}),
+    ("decoder", 1, 5, {"decoder": ((2 * 5) ** 0.25, (8 * 5) ** -0.25)}),
+    (
+        "encoder_decoder", 4, 3,
+        {"encoder": (0.81 * (4**4 * 3) ** (1 / 16), 0.87 * (4**4 * 3) ** (-1 / 16)),
+         "decoder": ((3 * 3) ** 0.25, (12 * 3) ** -0.25)},
+    ),
+]
+BETA_ROLES = ("v_proj", "out_proj", "fc1", "fc2")
+
+
+@pytest.mark.parametrize("arch,N,M,expected", DEEPNORM_CASES)
+def test_deepnorm_alpha_and_paper_init(arch, N, M, expected):
+    """Wang 2022 Fig. 2: xavier_normal_(gain=β) for ffn, v_proj, out_proj; gain 1 for q_proj,
+    k_proj. Checked by each matrix's std against gain·sqrt(2 / (fan_in + fan_out)) (1024+
+    entries: ±15 % is over 6 standard errors) and a normal's tail (max > 2.2 std, a uniform's
+    is √3)."""
     torch.manual_seed(0)
-    deep = gradscope.build_model(tiny("deepnorm", arch, **cfg))
-    torch.manual_seed(0)
-    post = gradscope.build_model(tiny("post_ln", arch, **cfg))
+    deep = gradscope.build_model(tiny("deepnorm", arch, n_enc=N, n_dec=M, d_model=32, d_ff=64))
     for stack, (alpha, beta) in expected.items():
         for layer in deep.stacks()[stack].layers:
             skips = [m for m in layer.modules() if isinstance(m, ConstScale)]
             assert len(skips) == len(layer.sublayer_names)
             assert all(s.value == pytest.approx(alpha, rel=1e-12) for s in skips)
-        pairs = zip(linears(deep, stack), linears(post, stack))
-        for (_, role, name, a), (_, _, _, b) in pairs:
-            factor = beta if role in ("v_proj", "out_proj", "fc1", "fc2") else 1.0
-            torch.testing.assert_close(a.weight, b.weight * factor, msg=f"{stack} {name}")
+        for _, role, name, m in linears(deep, stack):
+            fan_out, fan_in = m.weight.shape
+            gain = beta if role in BETA_ROLES else 1.0
+            std = float(m.weight.detach().std())
+            assert std == pytest.approx(gain * math.sqrt(2 / (fan_in + fan_out)), rel=0.15), f"{stack} {name}"
+            assert float(m.weight.detach().abs().max()) > 2.2 * std, f"{stack} {name}: not normal"
+
+
+@pytest.mark.parametrize("arch,N,M,expected", DEEPNORM_CASES)
+def test_deepnorm_torchscale_init(arch, N, M, expected):
+    """torchscale: q/k/v xavier_uniform gain 1/√2, out_proj gain 1 (bias 0), fc1/fc2 torch's
+    default Linear init (bound 1/sqrt(fan_in)); then fc1, fc2, out_proj, v_proj weights and
+    biases divided by init_scale. Checked by each uniform's bound: max |w| <= bound, and > 0.9
+    of it (1024+ entries)."""
+    scale = {"encoder": (N**4 * M) ** (1 / 16) / 1.15 if arch == "encoder_decoder" else (8 * N) ** 0.25,
+             "decoder": (12 * M) ** 0.25 if arch == "encoder_decoder" else (8 * M) ** 0.25}
+    torch.manual_seed(0)
+    deep = gradscope.build_model(tiny("deepnorm", arch, n_enc=N, n_dec=M, d_model=32, d_ff=64,
+                                      deepnorm_init="torchscale"))
+    for stack in expected:
+        for _, role, name, m in linears(deep, stack):
+            fan_out, fan_in = m.weight.shape
+            div = scale[stack] if role in BETA_ROLES else 1.0
+            if role in ("fc1", "fc2"):
+                bound = 1 / math.sqrt(fan_in)
+            else:
+                bound = (1.0 if role == "out_proj" else 1 / math.sqrt(2)) * math.sqrt(6 / (fan_in + fan_out))
+            top = float(m.weight.detach().abs().max())
+            assert 0.9 * bound / div < top <= bound / div * (1 + 1e-6), f"{stack} {name}"
+            if role == "out_proj" and m.bias is not None:
+                assert not m.bias.any(), name
+            elif role in ("fc1", "fc2") and m.bias is not None:
+                assert 0.5 / math.sqrt(fan_in) / div < float(m.bias.detach().abs().max()) <= 1 / math.sqrt(fan_in) / div + 1e-7
 
 
 @pytest.mark.parametrize("arch", ["encoder_decoder", "decoder", "encoder"])
@@ -140,20 +171,26 @@ def test_b2t_rescale_switch():
 
 @pytest.mark.parametrize("arch", ["encoder_decoder", "decoder"])
 def test_admin_profiled_omega_follows_the_recursion(arch):
-    """Liu 2020: per stack r=1; ω_i = r; r ← sqrt(Var(ω_i·x_{i-1}) + Var(F_i out))."""
+    """Liu 2020: per stack r=1; ω_i = r; r ← sqrt(Var(ω_i·x_{i-1}) + Var(F_i out)), F_i after its dropout."""
     torch.manual_seed(0)
     model = gradscope.build_model(tiny("admin", arch, n_enc=3, n_dec=3, dropout=0.1))
     inputs = batch(model.config)
+    modes = []
+    first = next(m for n, m in model.named_modules() if n.count(".") == 3 and hasattr(m, "skip"))
+    handle = first.register_forward_pre_hook(lambda mod, args: modes.append(mod.training))
+    torch.manual_seed(1)
     omegas = gradscope.admin_init(model, *inputs)
-    assert model.training  # mode restored
+    handle.remove()
+    assert modes == [True] and model.training  # profiled in training mode (Transformer-Clinic); mode kept
     # Re-run the now-initialised model and rebuild the recursion from what each sub-layer saw.
     seen = {}
     subs = [(n, m) for n, m in model.named_modules() if n.count(".") == 3 and hasattr(m, "skip")]
     handles = []
     for name, m in subs:
         handles.append(m.register_forward_pre_hook(lambda mod, args, name=name: seen.__setitem__((name, "x"), args[0])))
-        handles.append(m.fn.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__((name, "f"), out)))
-    model.eval()
+        handles.append(m.branch.register_forward_hook(lambda mod, args, out, name=name: seen.__setitem__((name, "f"), out)))
+    model.train()
+    torch.manual_seed(1)  # the profile's dropout draws again
     with torch.no_grad():
         model(*inputs)
     for h in handles:
@@ -167,6 +204,9 @@ def test_admin_profiled_omega_follows_the_recursion(arch):
         x, f = seen[(name, "x")], seen[(name, "f")]
         running[stack] = math.sqrt(torch.var(r * x, unbiased=False).item() + torch.var(f, unbiased=False).item())
     assert len(omegas) == len(subs) > 0
+    model.eval()
+    gradscope.admin_init(model, *inputs)
+    assert not model.training  # an eval-mode model is profiled in training mode and given back in eval mode
 
 
 def test_admin_init_rejects_other_variants():

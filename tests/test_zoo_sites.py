@@ -24,7 +24,7 @@ def stack_tail(variant: str, depth: int) -> list[str]:
         extra = [f"combine.norms.{k}.{s}" for k in range(1, depth + 1) for s in ("in", "out")]
         return extra + ["combine.out"] + FINAL_NORM
     if variant == "dlcl_post":
-        return [f"combine.norms.{k}.{s}" for k in range(0, depth + 1) for s in ("in", "out")] + ["combine.out"]
+        return [f"combine.norms.{k}.{s}" for k in range(1, depth + 1) for s in ("in", "out")] + ["combine.out"]
     if variant in ("pre_ln", "scalenorm"):
         return FINAL_NORM
     return []

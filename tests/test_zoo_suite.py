@@ -131,5 +131,7 @@ def test_dlcl_weight_options(options, learnable, weight_row2):
 def test_dlcl_no_extra_ln_has_no_extra_norms():
     with_ln = gradscope.build_model(tiny("dlcl_post", "encoder"))
     without = gradscope.build_model(tiny("dlcl_post", "encoder", dlcl_extra_ln=False))
-    assert len(with_ln.encoder.combine.norms) == 3  # LN'_0 .. LN'_2
+    assert sorted(with_ln.encoder.combine.norms) == ["1", "2"]  # LN'_1, LN'_2: the embedding has none (official code)
     assert len(without.encoder.combine.norms) == 0
+    embed_ln = gradscope.build_model(tiny("dlcl_post", "encoder", dlcl_embed_ln=True))
+    assert sorted(embed_ln.encoder.combine.norms) == ["0", "1", "2"]

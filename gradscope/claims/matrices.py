@@ -62,7 +62,7 @@ def takase_fig5_pre_ln_higher(
         return not_measured(FIG5, claim, metric, preset=preset,
                             detail=f"no cosine matrix (L >= 2) for {missing}")
     return verdict(FIG5, claim, metric, {f"LL {pre}": ll["pre"], f"LL {post}": ll["post"]},
-                   ll["pre"] > ll["post"], preset=preset)
+                   ll["pre"] > ll["post"], preset=preset, margin=ll["pre"] - ll["post"])
 
 
 def takase_fig5_b2t_keeps_post_ln(
@@ -82,7 +82,7 @@ def takase_fig5_b2t_keeps_post_ln(
                             detail=f"no cosine matrix (L >= 2) for {missing}")
     d_b2t, d_pre = abs(ll["b2t"] - ll["post"]), abs(ll["pre"] - ll["post"])
     return verdict(FIG5, claim, metric, {f"|{b2t}-{post}|": d_b2t, f"|{pre}-{post}|": d_pre},
-                   d_b2t < d_pre, preset=preset)
+                   d_b2t < d_pre, preset=preset, margin=d_pre - d_b2t)
 
 
 def row_density(w: np.ndarray, abs_threshold: float, rel_threshold: float) -> np.ndarray:
@@ -113,7 +113,7 @@ def wang_fig5_dlcl_dense_early(
     mid = (1 + (len(w) - 1)) / 2
     early, late = density[(r >= 1) & (r <= mid)].mean(), density[r > mid].mean()
     return verdict(WANG5, claim, metric, {"early density": early, "late density": late},
-                   early > late, preset=preset)
+                   early > late, preset=preset, margin=early - late)
 
 
 def wang_fig5_dlcl_near_diagonal(
@@ -143,4 +143,5 @@ def wang_fig5_dlcl_near_diagonal(
     u = [band / (r + 1) for r in rows]
     values = {"band mass": float(np.mean(f)), "uniform": float(np.mean(u)), "band width": band}
     holds = values["band mass"] > min_ratio * values["uniform"]
-    return verdict(WANG5, claim, metric, values, holds, preset=preset)
+    return verdict(WANG5, claim, metric, values, holds, preset=preset,
+                   margin=values["band mass"] - min_ratio * values["uniform"])

@@ -1,7 +1,9 @@
 """Claims about per-layer quantities: Takase (2022) Fig. 3 and Fig. 4/7, Wang (2019) §5,
 Xu (2020) Table 2.
 
-g(site) below is ``act_grad_norm`` at that site, one value per point
+Each rule's margin (``Verdict.margin``, > 0 in the claim's direction) is a log ratio for a
+ratio of gradient norms and a difference otherwise; ``gradscope.claims.seeds`` decides over
+seeds with it. g(site) below is ``act_grad_norm`` at that site, one value per point
 (:func:`gradscope.table.select.one_per_point`), at the chosen step of the run.
 """
 
@@ -17,6 +19,12 @@ from gradscope.table import select as S
 from gradscope.table.select import StepSpec
 
 FIG3 = "Takase 2022 Fig. 3"
+
+
+def _log_margin(bound: float, value: float) -> float:
+    """``log(bound / value)``: > 0 when ``value < bound``, in multiplicative units (so seeds
+    whose ratios differ by a factor scatter alike at any size)."""
+    return float(np.log(bound) - np.log(value)) if bound > 0 and value > 0 else float("nan")
 
 
 def _out_profile(df: pd.DataFrame, variant: str, stack: str, step: StepSpec) -> pd.Series:
@@ -45,7 +53,8 @@ def takase_fig3_post_ln_vanishing(
     ratio = _bottom_over_top(df, variant, stack, step)
     if ratio is None:
         return not_measured(FIG3, claim, metric, preset=preset, detail=f"no {variant} {stack} layer profile")
-    return verdict(FIG3, claim, metric, {"bottom/top": ratio}, ratio < max_ratio, preset=preset)
+    return verdict(FIG3, claim, metric, {"bottom/top": ratio}, ratio < max_ratio, preset=preset,
+                   margin=_log_margin(max_ratio, ratio))
 
 
 def takase_fig3_pre_ln_decay(
@@ -63,7 +72,7 @@ def takase_fig3_pre_ln_decay(
         return not_measured(FIG3, claim, metric, preset=preset, detail=f"no {variant} {stack} layer profile")
     top_over_bottom = 1.0 / ratio if ratio != 0 else float("inf")
     return verdict(FIG3, claim, metric, {"top/bottom": top_over_bottom}, top_over_bottom < max_ratio,
-                   preset=preset)
+                   preset=preset, margin=_log_margin(max_ratio, top_over_bottom))
 
 
 def takase_fig3_b2t_mitigates(
@@ -82,7 +91,7 @@ def takase_fig3_b2t_mitigates(
         missing = [v for v, r in ((variant, ours), (baseline, base)) if r is None]
         return not_measured(FIG3, claim, metric, preset=preset, detail=f"no layer profile for {missing}")
     return verdict(FIG3, claim, metric, {f"{variant} bottom/top": ours, f"{baseline} bottom/top": base},
-                   ours > base, preset=preset)
+                   ours > base, preset=preset, margin=_log_margin(ours, base))
 
 
 def takase_fig4_ln_drops(
@@ -115,7 +124,7 @@ def takase_fig4_ln_drops(
         values[f"L{layer} g1/g2"] = g[0] / g[1]
         values[f"L{layer} g3/g4"] = g[2] / g[3]
     return verdict(figure, claim, metric, values, all(v < max_ratio for v in values.values()),
-                   preset=preset)
+                   preset=preset, margin=min(_log_margin(max_ratio, v) for v in values.values()))
 
 
 def _spearman(x: np.ndarray, y: np.ndarray) -> float:
@@ -136,7 +145,7 @@ def wang_embed_grad_vanishes(
     equal depth averaged): rule ``spearman(depth, g(embed.out)) < 0`` and
     ``g(deepest) / g(shallowest) < max_ratio``, with at least ``min_depths`` depths.
     """
-    figure, claim = "Wang 2019 §5", f"{variant} {stack} embedding gradient norm decreases with depth"
+    figure, claim = "Wang 2019 §4.2", f"{variant} {stack} embedding gradient norm decreases with depth"
     metric = (f"spearman(depth, g({stack}.embed.out)) < 0 and g(deepest)/g(shallowest) < {max_ratio:g}, "
               f">= {min_depths} depths, step {step}")
     by_depth: dict[int, list[float]] = {}
@@ -154,7 +163,8 @@ def wang_embed_grad_vanishes(
     rho, ratio = _spearman(depths, grads), grads[-1] / grads[0]
     values = {"spearman": rho, "deepest/shallowest": ratio, "shallowest depth": depths[0],
               "deepest depth": depths[-1]}
-    return verdict(figure, claim, metric, values, rho < 0 and ratio < max_ratio, preset=preset)
+    return verdict(figure, claim, metric, values, rho < 0 and ratio < max_ratio, preset=preset,
+                   margin=min(-rho, _log_margin(max_ratio, ratio)))
 
 
 def _w_over_sigma(df: pd.DataFrame, run: str | None, variant: str | None, stack: str | None,
@@ -182,7 +192,7 @@ def xu_table2_post_ln_shrinks(
                             detail=f"no ln_w_over_sigma rows for {name}")
     mean = float(np.mean(vals))
     return verdict(figure, claim, metric, {"mean w/σ": mean, "norms": len(vals)}, mean < max_mean,
-                   preset=preset)
+                   preset=preset, margin=max_mean - mean)
 
 
 def xu_table2_lipschitz_closer(
@@ -205,4 +215,40 @@ def xu_table2_lipschitz_closer(
                             detail=f"no ln_w_over_sigma rows for {missing}")
     d_lip, d_base = float(np.mean(np.abs(1 - lip))), float(np.mean(np.abs(1 - base)))
     return verdict(figure, claim, metric, {"lipschitz |1-w/σ|": d_lip, "baseline |1-w/σ|": d_base},
-                   d_lip < d_base, preset=preset)
+                   d_lip < d_base, preset=preset, margin=d_base - d_lip)
+
+
+COLLAPSE = 1e-2  # "approaches 0": two orders of magnitude below the shallow run's
+
+
+def _embed_series(df: pd.DataFrame, run: str, stack: str) -> pd.Series:
+    rows = S.rows(df, quantity="act_grad_norm", stack=stack, role="embed", run=run)
+    points = S.one_per_point(rows)
+    return points.groupby("step")["value"].mean().sort_index()
+
+
+def wang_embed_grad_collapses_in_training(
+    df: pd.DataFrame, *, deep: str, shallow: str, stack: str = "encoder", max_ratio: float = COLLAPSE,
+    preset: str = "",
+) -> Verdict:
+    """Wang (2019) §4.2: in a deep Post-LN run that fails to train, the embedding-layer
+    gradient norm approaches 0 (one seed).
+
+    Rule: over the last quarter of the steps both runs recorded in training (step > 0),
+    ``R = geomean g(deep embed.out) / geomean g(shallow embed.out) < max_ratio`` (default
+    1e-2: two orders of magnitude, fixed before any run). Margin ``log(max_ratio / R)``.
+    """
+    figure, claim = "Wang 2019 §4.2", f"the deep post_ln run's {stack} embedding gradient approaches 0 in training"
+    metric = (f"geomean g({stack}.embed.out) of {deep} / that of {shallow} < {max_ratio:g} over the last quarter "
+              "of the trained steps")
+    series = {r: _embed_series(df, r, stack) for r in (deep, shallow)}
+    steps = sorted(set(series[deep].index[series[deep].index > 0]) & set(series[shallow].index[series[shallow].index > 0]))
+    if len(steps) < 4:
+        return not_measured(figure, claim, metric, preset=preset,
+                            detail=f"{len(steps)} trained steps recorded in both runs, need >= 4")
+    tail = steps[len(steps) - max(1, len(steps) // 4):]
+    geo = {r: float(np.exp(np.log(series[r].loc[tail].to_numpy(dtype=float)).mean())) for r in (deep, shallow)}
+    ratio = geo[deep] / geo[shallow]
+    values = {"deep/shallow": ratio, "deep at init": float(series[deep].iloc[0]), "deep, last steps": geo[deep],
+              "shallow, last steps": geo[shallow], "last step": float(steps[-1])}
+    return verdict(figure, claim, metric, values, ratio < max_ratio, preset=preset, margin=_log_margin(max_ratio, ratio))

@@ -3,8 +3,9 @@ Transformers", Algorithm 1, as in Transformer-Clinic).
 
 For each stack, with a running r = 1, visit the Admin sub-layers in forward order:
 set ω_i = r, then r ← sqrt(Var(ω_i·x_{i-1}) + Var(F_i(x_{i-1}))). Variances are population
-variances over every element of the batch tensor (padding included), measured in eval
-mode (no dropout) under ``torch.no_grad``.
+variances over every element of the batch tensor (padding included), measured in training
+mode (dropout active, as Transformer-Clinic's profiling forward runs) under ``torch.no_grad``;
+seed torch first for a repeatable profile.
 """
 
 from __future__ import annotations
@@ -66,7 +67,7 @@ def admin_init(model: nn.Module, *inputs: torch.Tensor) -> dict[str, float]:
         return hook
 
     was_training = model.training
-    model.eval()
+    model.train()
     try:
         for name, sub in sublayers:
             stack = name.split(".", 1)[0]

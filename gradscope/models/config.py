@@ -15,7 +15,9 @@ DS_INIT_FORMS: tuple[str, ...] = ("paper", "code")
 
 # Variant-specific options. ``None`` means "not set": the variant's default applies, and a
 # variant that does not take the option rejects any value other than None.
-VARIANT_OPTIONS: tuple[str, ...] = ("dlcl_weight_init", "dlcl_learnable", "dlcl_extra_ln", "fixnorm")
+VARIANT_OPTIONS: tuple[str, ...] = ("dlcl_weight_init", "dlcl_learnable", "dlcl_extra_ln", "dlcl_embed_ln", "fixnorm",
+                                    "deepnorm_init")
+DEEPNORM_INITS: tuple[str, ...] = ("paper", "torchscale")
 INIT_OPTIONS: tuple[str, ...] = ("ds_init_form", "ds_init_alpha")
 
 
@@ -44,6 +46,14 @@ class ModelConfig:
         dlcl_learnable: DLCL variants only. Whether W is trained (default True).
         dlcl_extra_ln: DLCL variants only. Whether each layer output gets its own LN
             before the combination (default True; False is Wang's "no extra LN" ablation).
+        dlcl_embed_ln: ``dlcl_post`` only. Whether the first combination, the embedding
+            alone, gets its own LN'_0 (default False: Wang 2019's official code feeds the
+            embedding to layer 1 unnormalised; True is this zoo's earlier form).
+        deepnorm_init: ``deepnorm`` only. ``"paper"`` (default): Wang 2022 (DeepNet) Fig. 2's
+            pseudocode, xavier_normal with gain β for fc1, fc2, v_proj and out_proj and gain 1
+            for q_proj and k_proj; ``"torchscale"``: the released code, q/k/v xavier_uniform
+            with gain 1/√2, out_proj gain 1, fc1/fc2 torch's default Linear init, then fc1,
+            fc2, out_proj and v_proj (weights and biases) divided by torchscale's init_scale.
         fixnorm: ``scalenorm`` only. L2-normalise word-embedding rows on every forward
             (Nguyen & Salazar 2019 FixNorm; default False).
         b2t_rescale: multiply every in-layer matrix by N^-1/2 after init (B2T's later code;
@@ -73,7 +83,9 @@ class ModelConfig:
     dlcl_weight_init: str | None = None
     dlcl_learnable: bool | None = None
     dlcl_extra_ln: bool | None = None
+    dlcl_embed_ln: bool | None = None
     fixnorm: bool | None = None
+    deepnorm_init: str | None = None
     b2t_rescale: bool = False
     ds_init_form: str | None = None
     ds_init_alpha: float | None = None
@@ -114,6 +126,8 @@ class ModelConfig:
                 raise ValueError(f"{name}: only init='ds_init' takes it, not init={self.init!r}")
         if self.dlcl_weight_init is not None:
             _check_choice("dlcl_weight_init", self.dlcl_weight_init, DLCL_WEIGHT_INITS)
+        if self.deepnorm_init is not None:
+            _check_choice("deepnorm_init", self.deepnorm_init, DEEPNORM_INITS)
         if self.ds_init_form is not None:
             _check_choice("ds_init_form", self.ds_init_form, DS_INIT_FORMS)
         if self.ds_init_alpha is not None and not self.ds_init_alpha > 0:

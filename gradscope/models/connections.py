@@ -107,7 +107,9 @@ class DLCLPre(DLCL):
 class DLCLPost(DLCL):
     """Post-norm DLCL: x_{l+1} = LN'_l(Σ_{k≤l} W[l,k]·y_k); output LN'_L(Σ_k W[L,k]·y_k).
 
-    Extra norms are keyed "0".."L" (one per combination).
+    Extra norms are keyed "1".."L" (one per combination after a layer); x_1 = W[0,0]·y_0, the
+    embedding unnormalised, as Wang 2019's official code; with ``dlcl_embed_ln`` a norm "0"
+    normalises it too.
     """
 
     def run(self, layers: Sequence[nn.Module], x0: torch.Tensor, ctxs: Sequence[Context]) -> StackRun:

@@ -16,7 +16,7 @@ from torch import nn
 
 from gradscope.models import connections, norms, residual
 from gradscope.models.embedding import Embedding, FixNormEmbedding
-from gradscope.models.rescale import deepnorm_rescale, tfixup_rescale
+from gradscope.models.rescale import deepnorm_paper_init, deepnorm_torchscale_init, tfixup_rescale, torchscale_init_scale
 
 if TYPE_CHECKING:  # the config validates against this registry, so only type hints point back at it
     from gradscope.models.config import ModelConfig
@@ -150,8 +150,12 @@ class _DLCL:
         init = config.dlcl_weight_init or "avg"
         learnable = True if config.dlcl_learnable is None else config.dlcl_learnable
         extra_ln = True if config.dlcl_extra_ln is None else config.dlcl_extra_ln
-        extra = {str(k): self.norm(spec) for k in range(self.extra_from, spec.depth + 1)} if extra_ln else None
+        extra = {str(k): self.norm(spec) for k in range(self.first_extra(config), spec.depth + 1)} if extra_ln else None
         return self.connection_class(spec.depth, init, learnable, extra)
+
+    def first_extra(self, config: ModelConfig) -> int:
+        """The first combination (or layer output) with its own LN."""
+        return self.extra_from
 
 
 class DLCLPreVariant(_DLCL, PreLN):
@@ -165,7 +169,11 @@ class DLCLPostVariant(_DLCL, PostLN):
     """``dlcl_post``: Post-LN layers, x_{l+1} = LN'_l(Σ_k W[l,k]·y_k) (Wang 2019 §3)."""
 
     connection_class = connections.DLCLPost
-    extra_from = 0
+    options = DLCL_OPTIONS | {"dlcl_embed_ln"}
+    extra_from = 1  # the official code: the embedding enters layer 1 without an LN'_0
+
+    def first_extra(self, config: ModelConfig) -> int:
+        return 0 if config.dlcl_embed_ln else 1
 
 
 class TransparentAttention(PostLN):
@@ -213,13 +221,19 @@ def deepnorm_coefficients(config: ModelConfig, stack: str) -> tuple[float, float
 
 
 class DeepNorm(PostLN):
-    """``deepnorm``: x ← LN(α·x + F(x)); β scales FFN, value and output projections at init."""
+    """``deepnorm``: x ← LN(α·x + F(x)); the layers' linears initialised with β (Wang 2022
+    DeepNet Fig. 2's pseudocode, or torchscale's form: ``deepnorm_init``)."""
+
+    options = frozenset({"deepnorm_init"})
 
     def skip(self, spec: StackSpec) -> nn.Module | None:
         return residual.ConstScale(deepnorm_coefficients(spec.config, spec.name)[0])
 
     def rescale(self, model: nn.Module, config: ModelConfig) -> None:
-        deepnorm_rescale(model, {name: deepnorm_coefficients(config, name)[1] for name in model.stacks()})
+        if (config.deepnorm_init or "paper") == "torchscale":
+            deepnorm_torchscale_init(model, {name: torchscale_init_scale(config, name) for name in model.stacks()})
+        else:
+            deepnorm_paper_init(model, {name: deepnorm_coefficients(config, name)[1] for name in model.stacks()})
 
 
 class TFixup(PostLN):

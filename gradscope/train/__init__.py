@@ -12,7 +12,8 @@ Losses are label-smoothed cross entropies in nats, averaged over non-pad target 
 
 from gradscope.train.checkpoint import load_checkpoint, save_checkpoint
 from gradscope.train.config import TrainConfig, resolve_device
-from gradscope.train.loop import TrainResult, evaluate, seed_everything, train
+from gradscope.train.bounds import LossBounds, loss_bounds
+from gradscope.train.loop import TrainResult, evaluate, evaluate_metrics, seed_everything, train
 from gradscope.train.optim import (
     LOSS_LOG_BASE,
     LOSS_REDUCTION,
@@ -37,6 +38,7 @@ from gradscope.train.text import ParallelTextTask, Vocab, load_parallel_text
 __all__ = [
     "BOS",
     "EOS",
+    "LossBounds",
     "LOSS_LOG_BASE",
     "LOSS_REDUCTION",
     "TASKS",
@@ -50,9 +52,11 @@ __all__ = [
     "TrainResult",
     "Vocab",
     "evaluate",
+    "evaluate_metrics",
     "label_smoothed_loss",
     "load_checkpoint",
     "load_parallel_text",
+    "loss_bounds",
     "lr_factor",
     "make_optimizer",
     "make_scheduler",

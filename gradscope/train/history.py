@@ -1,6 +1,6 @@
 """``History``: the store of a run trained without a recorder, a recorder with no model quantities.
 
-``train`` logs its rows (``loss``, ``lr``, ``val_loss``) into one store: the recorder it was
+``train`` logs its rows (``loss``, ``lr``, ``val_loss``, ``val_accuracy``) into one store: the recorder it was
 given, or a ``History`` when it was given none, or a recorder that keeps no rows (one with only
 a ``step`` context, such as a callback). A ``History`` answers the same protocol as
 ``gradscope.Recorder`` (``step``, ``log``, ``frame``, ``state_dict``/``load_state_dict``);
@@ -19,7 +19,8 @@ from gradscope.table import make_frame
 from gradscope.train.optim import LOSS_REDUCTION
 
 # The rows the loop logs, and the loss reduction each states (lr is not a loss: "").
-LOOP_QUANTITIES: dict[str, str] = {"loss": LOSS_REDUCTION, "lr": "", "val_loss": LOSS_REDUCTION}
+LOOP_QUANTITIES: dict[str, str] = {"loss": LOSS_REDUCTION, "lr": "", "val_loss": LOSS_REDUCTION,
+                                   "val_accuracy": LOSS_REDUCTION}  # (token accuracy: a mean over target tokens)
 
 
 class History:

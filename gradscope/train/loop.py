@@ -10,7 +10,7 @@ One step::
     value = loss.item()                          # the step's only host sync
     store.log("loss", value, step=step); store.log("lr", lr, step=step)
     clip; optimizer.step(); scheduler.step()     # skipped when the loss is non-finite
-    store.log("val_loss", ...) every ``eval_every`` steps; checkpoint every ``checkpoint_every`` steps
+    store.log("val_loss", ...), store.log("val_accuracy", ...) every ``eval_every`` steps; checkpoint every ``checkpoint_every`` steps
 
 One store per run: the loop logs its rows to the recorder it was given, and only there, so
 ``recorder.frame()`` is the whole run's table. Without a recorder, or with one that keeps no
@@ -22,7 +22,7 @@ as ``gradscope.Recorder``'s, which may run the closure twice to replay a spike) 
 ``recorder.step(step)``, a context manager, covers forward and backward and closes before
 ``optimizer.step()``;
 ``recorder.log(quantity, value, step=step)`` receives ``"loss"`` and ``"lr"`` every step and
-``"val_loss"`` at each evaluation; ``recorder.frame()`` (with ``log``: the recorder is the
+``"val_loss"`` and ``"val_accuracy"`` (token accuracy) at each evaluation; ``recorder.frame()`` (with ``log``: the recorder is the
 store) returns the table; ``recorder.attach_optimizer(optimizer)`` (if present) is called
 once, and ``recorder.state_dict()`` / ``load_state_dict()`` (if present) travel in the
 checkpoint, so a resumed run's table has every step exactly once.
@@ -77,7 +77,8 @@ class TrainResult:
     @functools.cached_property
     def history(self) -> pd.DataFrame:
         """The loop's rows of the store: tidy table (``gradscope.table`` columns) with
-        quantities ``loss`` and ``lr`` every step and ``val_loss`` every ``eval_every`` steps.
+        quantities ``loss`` and ``lr`` every step and ``val_loss`` and ``val_accuracy`` every
+        ``eval_every`` steps.
         With a ``gradscope.Recorder`` as the store, its ``run``, ``variant``, ``rank`` and
         ``reduction`` columns are the recorder's."""
         frame = self.store.frame()
@@ -91,29 +92,39 @@ class TrainResult:
         return pd.Series(rows["value"].to_numpy(), index=rows["step"].to_numpy(), name=quantity)
 
 
-@torch.no_grad()
 def evaluate(model: nn.Module, task: Task, *, batch_size: int, n_batches: int, smoothing: float = 0.1,
              split: str = "valid", device: torch.device | str = "cpu") -> float:
     """Token-weighted label-smoothed loss (nats) over batches ``0..n_batches-1`` of ``split``.
 
     The model is put in eval mode and restored to its previous mode afterwards.
     """
+    return evaluate_metrics(model, task, batch_size=batch_size, n_batches=n_batches, smoothing=smoothing,
+                            split=split, device=device)[0]
+
+
+@torch.no_grad()
+def evaluate_metrics(model: nn.Module, task: Task, *, batch_size: int, n_batches: int, smoothing: float = 0.1,
+                     split: str = "valid", device: torch.device | str = "cpu") -> tuple[float, float]:
+    """:func:`evaluate`'s loss and the token accuracy (share of non-pad target tokens whose
+    argmax logit is the target), both over batches ``0..n_batches-1`` of ``split``."""
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
+    right = torch.zeros((), dtype=torch.float64, device=device)
     tokens = 0
     try:
         for i in range(n_batches):
             cpu_batch = task.batch(split, i, batch_size)
             n = int((task.targets(cpu_batch) != task.pad_id).sum())  # counted on the CPU: no device sync
             batch = tuple(t.to(device) for t in cpu_batch)
-            loss = label_smoothed_loss(model(*task.model_inputs(batch)), task.targets(batch), pad_id=task.pad_id,
-                                       smoothing=smoothing)
+            logits, target = model(*task.model_inputs(batch)), task.targets(batch)
+            loss = label_smoothed_loss(logits, target, pad_id=task.pad_id, smoothing=smoothing)
             total += loss.double() * n
+            right += ((logits.argmax(-1) == target) & (target != task.pad_id)).sum()
             tokens += n
     finally:
         model.train(was_training)
-    return total.item() / tokens
+    return total.item() / tokens, right.item() / tokens
 
 
 def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = None,
@@ -207,9 +218,11 @@ def train(model: nn.Module, task: Task, config: TrainConfig, *, recorder: Any = 
             optimizer.step()
             scheduler.step()
             if config.eval_every and step % config.eval_every == 0:
-                val = evaluate(model, task, batch_size=config.batch_size, n_batches=config.eval_batches,
-                               smoothing=config.label_smoothing, device=device)
+                val, accuracy = evaluate_metrics(model, task, batch_size=config.batch_size,
+                                                 n_batches=config.eval_batches, smoothing=config.label_smoothing,
+                                                 device=device)
                 store.log("val_loss", val, step=step)
+                store.log("val_accuracy", accuracy, step=step)
             every = config.checkpoint_every
             if checkpoint_dir is not None and (step == config.steps or (every and step % every == 0)):
                 save_checkpoint(checkpoint_dir, {

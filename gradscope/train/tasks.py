@@ -148,14 +148,32 @@ class _SyntheticTask(Task):
 
 
 class ReverseTask(_SyntheticTask):
-    """Seq2seq: the target is the source reversed. Lengths uniform in ``[min_len, max_len-1]``."""
+    """Seq2seq: the target is the source reversed. Lengths uniform in ``[min_len, max_len-1]``.
+
+    Content tokens are uniform (``zipf=0``, default) or Zipfian, closer to a translation
+    corpus's word frequencies: the k-th content id (k = 1, 2, ...) has probability ∝ k^-zipf.
+    """
 
     name = "reverse"
     arch = "encoder_decoder"
 
+    def __init__(self, *, vocab: int, max_len: int, pad_id: int = 0, seed: int = 0, min_len: int = 2,
+                 zipf: float = 0.0) -> None:
+        super().__init__(vocab=vocab, max_len=max_len, pad_id=pad_id, seed=seed, min_len=min_len)
+        if not (zipf >= 0.0 and zipf < float("inf")):
+            raise ValueError(f"zipf={zipf} must be a finite number >= 0")
+        self.zipf = float(zipf)
+        ranks = torch.arange(1, len(self.content_ids) + 1, dtype=torch.float64)
+        weights = ranks ** -self.zipf
+        self.content_probs = weights / weights.sum()  # (n,) probability of each content id
+
     def _make_batch(self, gen: torch.Generator, batch_size: int) -> Batch:
         lengths = self._lengths(gen, batch_size).tolist()
-        sources = [self._random_tokens(gen, (n,)) for n in lengths]
+        if self.zipf:
+            sources = [self.content_ids[torch.multinomial(self.content_probs, n, replacement=True, generator=gen)]
+                       for n in lengths]
+        else:  # (uniform: the draws of the tables committed before the option)
+            sources = [self._random_tokens(gen, (n,)) for n in lengths]
         return self._seq2seq(sources, [s.flip(0) for s in sources])
 
 
@@ -293,7 +311,7 @@ def make_task(name: str, *, vocab: int, max_len: int, pad_id: int = 0, seed: int
         seed: task seed; fixes the data (and the Markov chain), independent of the
             training seed.
         **options: task-specific options (``min_len``, ``noise``, ``n_noise``,
-            ``branching``, ``mask_prob``); see each class.
+            ``branching``, ``mask_prob``, ``zipf``); see each class.
 
     Returns:
         The task.
