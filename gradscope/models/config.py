@@ -8,6 +8,7 @@ at import time; ``gradscope.config`` re-exports it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 DLCL_WEIGHT_INITS: tuple[str, ...] = ("avg", "one")
@@ -19,6 +20,13 @@ VARIANT_OPTIONS: tuple[str, ...] = ("dlcl_weight_init", "dlcl_learnable", "dlcl_
                                     "deepnorm_init")
 DEEPNORM_INITS: tuple[str, ...] = ("paper", "torchscale")
 INIT_OPTIONS: tuple[str, ...] = ("ds_init_form", "ds_init_alpha")
+
+
+REGISTRY_CHECKS: list[Callable[[ModelConfig], None]] = []
+"""Checks of a config against the variant registry (its arch, variant and the variant's
+options): :func:`gradscope.models.variants.check_config`, added when that module is
+imported, which ``gradscope.models`` does before anything else. The registry names this
+class in its builders' signatures, so the class does not import it back."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,16 +101,12 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         from gradscope.models.inits import INITS
-        from gradscope.models.variants import ARCHS, VARIANTS
 
-        _check_choice("arch", self.arch, ARCHS)
-        _check_choice("variant", self.variant, tuple(VARIANTS))
-        _check_choice("init", self.init, tuple(INITS))
-        variant = VARIANTS[self.variant]
-        if self.arch not in variant.archs:
-            raise ValueError(
-                f"arch: variant {self.variant!r} exists for {list(variant.archs)}, not {self.arch!r}"
-            )
+        if not REGISTRY_CHECKS:  # (gradscope.models imports the variants, which add theirs)
+            raise RuntimeError("gradscope.models.config: import gradscope.models, whose variants check a config")
+        for check in REGISTRY_CHECKS:
+            check(self)
+        check_choice("init", self.init, tuple(INITS))
         if self.uses_encoder:
             _check_positive_int("n_enc", self.n_enc)
         if self.uses_decoder:
@@ -117,19 +121,15 @@ class ModelConfig:
             raise ValueError(f"pad_id: must be in [0, vocab={self.vocab}), got {self.pad_id}")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps: must be > 0, got {self.norm_eps}")
-        for name in VARIANT_OPTIONS:
-            if getattr(self, name) is not None and name not in variant.options:
-                takers = sorted(n for n, v in VARIANTS.items() if name in v.options)
-                raise ValueError(f"{name}: variant {self.variant!r} does not take it (only {takers} do)")
         for name in INIT_OPTIONS:
             if getattr(self, name) is not None and self.init != "ds_init":
                 raise ValueError(f"{name}: only init='ds_init' takes it, not init={self.init!r}")
         if self.dlcl_weight_init is not None:
-            _check_choice("dlcl_weight_init", self.dlcl_weight_init, DLCL_WEIGHT_INITS)
+            check_choice("dlcl_weight_init", self.dlcl_weight_init, DLCL_WEIGHT_INITS)
         if self.deepnorm_init is not None:
-            _check_choice("deepnorm_init", self.deepnorm_init, DEEPNORM_INITS)
+            check_choice("deepnorm_init", self.deepnorm_init, DEEPNORM_INITS)
         if self.ds_init_form is not None:
-            _check_choice("ds_init_form", self.ds_init_form, DS_INIT_FORMS)
+            check_choice("ds_init_form", self.ds_init_form, DS_INIT_FORMS)
         if self.ds_init_alpha is not None and not self.ds_init_alpha > 0:
             raise ValueError(f"ds_init_alpha: must be > 0, got {self.ds_init_alpha}")
 
@@ -148,7 +148,8 @@ class ModelConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+def check_choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    """Raises ValueError naming ``field`` and the valid ``choices`` when ``value`` is not one."""
     if value not in choices:
         raise ValueError(f"{field}: unknown value {value!r}; valid: {sorted(choices)}")
 

@@ -10,16 +10,14 @@ variant name. Formulas cite their paper and equation.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from torch import nn
 
 from gradscope.models import connections, norms, residual
+from gradscope.models.config import REGISTRY_CHECKS, VARIANT_OPTIONS, ModelConfig, check_choice
 from gradscope.models.embedding import Embedding, FixNormEmbedding
 from gradscope.models.rescale import deepnorm_paper_init, deepnorm_torchscale_init, tfixup_rescale, torchscale_init_scale
 
-if TYPE_CHECKING:  # the config validates against this registry, so only type hints point back at it
-    from gradscope.models.config import ModelConfig
 
 ARCHS: tuple[str, ...] = ("encoder_decoder", "decoder", "encoder")
 """The model shapes the zoo builds: ``model(src, tgt_in)``, a causal LM and a masked LM."""
@@ -271,3 +269,20 @@ VARIANTS: dict[str, Variant] = {
     "tfixup": TFixup(),
     "rezero": ReZero(),
 }
+
+
+def check_config(config: ModelConfig) -> None:
+    """Raises ValueError naming the field when ``config``'s arch, variant or a variant option
+    is not in the registry (:data:`ARCHS`, :data:`VARIANTS`), with the valid choices."""
+    check_choice("arch", config.arch, ARCHS)
+    check_choice("variant", config.variant, tuple(VARIANTS))
+    variant = VARIANTS[config.variant]
+    if config.arch not in variant.archs:
+        raise ValueError(f"arch: variant {config.variant!r} exists for {list(variant.archs)}, not {config.arch!r}")
+    for name in VARIANT_OPTIONS:
+        if getattr(config, name) is not None and name not in variant.options:
+            takers = sorted(n for n, v in VARIANTS.items() if name in v.options)
+            raise ValueError(f"{name}: variant {config.variant!r} does not take it (only {takers} do)")
+
+
+REGISTRY_CHECKS.append(check_config)
