@@ -27,7 +27,7 @@ class ActNorm(Quantity):
     across_ranks = "rss"
 
     def nothing_to_measure(self, layout):
-        return None if layout.sites else "the recorder found no site in the model"
+        return _no_sites(layout)
 
     def rows(self, data):
         sites = data.slot_sites()
@@ -56,7 +56,7 @@ class ActGradNorm(Quantity):
     across_ranks, spike_watched = "gradient_norm", True
 
     def nothing_to_measure(self, layout):
-        return None if layout.sites else "the recorder found no site in the model"
+        return _no_sites(layout)
 
     def rows(self, data):
         sites = data.slot_sites()
@@ -391,3 +391,8 @@ def _with_grads(ctx, keys: list, values: torch.Tensor) -> tuple[list, torch.Tens
         return keys, values
     at = [i for i, k in enumerate(ok) if k]
     return [keys[i] for i in at], values[torch.tensor(at, device=values.device)]
+
+
+def _no_sites(layout) -> str | None:
+    """Why a per-site quantity has nothing to measure: no site found (else None)."""
+    return None if layout.sites else "the recorder found no site in the model"
