@@ -43,9 +43,10 @@ def reduce_squared_norms(tensors: list[torch.Tensor | None], sq: torch.Tensor) -
     for i, t in enumerate(tensors):
         if isinstance(t, DTensor):
             mesh = t.device_mesh
-            # a dimension is sharded unless it replicates: Shard, and _StridedShard (FSDP2 over tensor
-            # parallelism), which is no Shard and says is_shard() False (torch 2.13; it counted as a copy)
-            copies = math.prod(mesh.size(d) for d, p in enumerate(t.placements) if p.is_replicate())
+            # a dimension holds copies where it replicates, or is Partial (redistributed to Replicate
+            # before the local norms were taken); every other is sharded: Shard, and _StridedShard (FSDP2
+            # over tensor parallelism), which is no Shard and says is_shard() False (torch 2.13)
+            copies = math.prod(mesh.size(d) for d, p in enumerate(t.placements) if p.is_replicate() or p.is_partial())
             weight[i] = 1.0 / copies
             meshes.setdefault(mesh, []).append(i)
     if not meshes:
