@@ -364,7 +364,7 @@ class Recorder:
         ``GradScaler`` it is divided by the scale: the norm after ``scaler.unscale_(opt)``."""
         return self._replay.grad_norm if self._replay is not None else None
 
-    # -- the recorded table (rows/recorded_table.py) -------------------------------------
+    # -- the recorded table (recorded_table.py) ------------------------------------------
     def state_dict(self) -> dict:
         """Recorded rows, the sampling generator's state and the spike windows, as plain
         containers and tensors (loads with ``torch.load(weights_only=True)``). With
