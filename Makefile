@@ -5,6 +5,8 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PRESET ?= default
 JOBS ?= 2
+# worker processes of `make figures` (one single-thread run per core; issue 49)
+WORKERS ?= 2
 # torch threads per test worker (issue 22: the suite passes at 1 and 2)
 TEST_THREADS ?= 1
 
@@ -30,7 +32,7 @@ docs-serve: venv
 	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs serve
 
 figures: venv
-	MPLBACKEND=Agg $(BIN)/python -m analyses --preset $(PRESET) --out figures
+	MPLBACKEND=Agg $(BIN)/python -m analyses --preset $(PRESET) --workers $(WORKERS) --out figures
 
 clean:
 	rm -rf $(VENV) .pytest_cache site .cache

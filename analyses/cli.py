@@ -30,6 +30,10 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
     parser.add_argument("--threads", type=_positive_int, default=1,
                         help="torch CPU threads; 1 is fastest for these small models on a shared 2-core "
                              "machine; default: %(default)s")
+    parser.add_argument("--workers", type=_positive_int, default=1,
+                        help="worker processes running an analysis's runs side by side, each with --threads "
+                             "threads (make figures uses 2 on a 2-core machine); the tables equal a serial "
+                             "run's; default: %(default)s")
     parser.add_argument("--max-steps", type=_positive_int, default=None,
                         help="cap every training run at this many steps (smoke tests); the figures say so")
     parser.add_argument("--batch-size", type=_positive_int, default=None,

@@ -21,11 +21,11 @@ from typing import ClassVar
 import pandas as pd
 import torch
 from matplotlib.figure import Figure
-from tqdm.auto import tqdm
 
 from analyses.cli import parse_args
 from analyses.outputs import annotate, publish, report, save_figure, save_plain_table, saved_setting
 from analyses.runs import Bench, RunSpec, cap_steps, dry_run
+from analyses.workers import collect_runs
 from gradscope import presets
 from gradscope.claims import Verdict, seed_run, split_run
 from gradscope.io import load
@@ -58,6 +58,9 @@ class Analysis:
     #: the task its runs train on, for the footer (an analysis that overrides :meth:`task` names its own)
     task_name: ClassVar[str] = presets.TASK
     recordings: ClassVar[int] = 0
+    #: whether its runs may go to worker processes (``--workers``): :meth:`collect` keeps
+    #: nothing on the analysis, everything it makes is in the tables it returns
+    runs_apart: ClassVar[bool] = True
 
     def __init__(self, preset: str | presets.Preset, *, seed: int = 0, device: str = "auto",
                  max_steps: int | None = None, batch_size: int | None = None, init_only: bool = False) -> None:
@@ -209,8 +212,8 @@ def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
             return []
         bench = Bench(task=task, device=device, batch_size=analysis.preset.batch_size, seed=args.seed,
                       progress=not args.no_progress)
-        runs = tqdm(specs, desc=f"{kind.name} runs", unit="run", disable=True if args.no_progress else None)
-        table = concat(part for spec in runs for part in analysis.collect(spec, bench))
+        table = concat(collect_runs(analysis, specs, bench, workers=args.workers, threads=args.threads,
+                                    progress=not args.no_progress))
         verdicts = analysis.noted(analysis.conclude(table))
         for name, extra in analysis.extra_tables(table).items():
             save_plain_table(extra, args.out, name)

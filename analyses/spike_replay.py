@@ -57,6 +57,7 @@ class SpikeReplay(Analysis):
 
     name = "spike_replay"
     task_name = TASK
+    runs_apart = False  # (collect keeps the watch's readings on the analysis)
 
     @property
     def depth(self) -> int:
