@@ -52,6 +52,8 @@ def build_model(config: ModelConfig) -> ZooModel:
             variant.memory(config),
             config.pad_id,
         )
+        if config.share_embeddings:  # (before init, so every init sees one matrix)
+            model.decoder.embed.tokens = model.encoder.embed.tokens
     elif config.arch == "decoder":
         model = DecoderLM(build_stack(variant, StackSpec("decoder", config.n_dec, config), cross=False), config.pad_id)
     else:

@@ -73,6 +73,11 @@ class ModelConfig:
         qk_norm: a LayerNorm over each head's queries and keys before the attention
             logits (QK-LayerNorm; Dehghani et al. 2023, Wortsman et al. 2023). Any variant
             may take it (default False).
+        share_embeddings: ``encoder_decoder`` only. One token embedding matrix for source,
+            target and output (Press & Wolf 2017 three-way tying, as in the WMT setups of
+            Wang 2019 and Takase 2022, whose source and target share one BPE vocabulary;
+            default False: the encoder has its own). The encoder's ``embed.tokens`` is the
+            decoder's: the parameter is listed once, under ``encoder``.
     """
 
     arch: str = "encoder_decoder"
@@ -98,6 +103,7 @@ class ModelConfig:
     ds_init_form: str | None = None
     ds_init_alpha: float | None = None
     qk_norm: bool = False
+    share_embeddings: bool = False
 
     def __post_init__(self) -> None:
         from gradscope.models.inits import INITS
@@ -124,6 +130,9 @@ class ModelConfig:
         for name in INIT_OPTIONS:
             if getattr(self, name) is not None and self.init != "ds_init":
                 raise ValueError(f"{name}: only init='ds_init' takes it, not init={self.init!r}")
+        if self.share_embeddings and self.arch != "encoder_decoder":
+            raise ValueError(f"share_embeddings: only arch='encoder_decoder' has two embeddings to share, "
+                             f"not arch={self.arch!r}")
         if self.dlcl_weight_init is not None:
             check_choice("dlcl_weight_init", self.dlcl_weight_init, DLCL_WEIGHT_INITS)
         if self.deepnorm_init is not None:
