@@ -61,6 +61,9 @@ class Analysis:
     #: whether its runs may go to worker processes (``--workers``): :meth:`collect` keeps
     #: nothing on the analysis, everything it makes is in the tables it returns
     runs_apart: ClassVar[bool] = True
+    #: trained seeds at least, whatever the preset's (an analysis cheap enough to decide its
+    #: comparison over >= 3 seeds at every preset; issue 49)
+    min_train_seeds: ClassVar[int] = 1
 
     def __init__(self, preset: str | presets.Preset, *, seed: int = 0, device: str = "auto",
                  max_steps: int | None = None, batch_size: int | None = None, init_only: bool = False) -> None:
@@ -153,9 +156,11 @@ class Analysis:
         return RunSpec(seed_run(run, k), model, seed=self.seed + k)
 
     def seed_indices(self, trained: bool) -> range:
-        """Seed indices of the runs: ``preset.train_seeds`` of them for trained runs,
-        ``preset.seeds`` for init-only ones (cheap)."""
-        return range(self.preset.train_seeds if trained and not self.init_only else self.preset.seeds)
+        """Seed indices of the runs: ``preset.train_seeds`` of them for trained runs (at least
+        :attr:`min_train_seeds`), ``preset.seeds`` for init-only ones (cheap)."""
+        if trained and not self.init_only:
+            return range(max(self.preset.train_seeds, self.min_train_seeds))
+        return range(self.preset.seeds)
 
     @staticmethod
     def first_seed(df: pd.DataFrame) -> pd.DataFrame:
