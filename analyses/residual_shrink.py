@@ -2,7 +2,8 @@
 
 Two Post-LN encoder-decoders at the deep setting (18L-18L at default and paper, 6L-6L at
 ci), one with the default ``xavier`` init and one with Xu's ``lipschitz`` init (the
-paper's v1 and v1'), are trained on the ``reverse`` task with identical hyper-parameters.
+paper's v1 and v1'), are trained on the ``reverse`` task with identical hyper-parameters,
+on 3 seeds (300 steps with a 100-step warm-up at default).
 ``ln_w_over_sigma`` — mean over tokens and features of w/σ, σ the per-token std of the
 norm's input — is recorded for every norm at initialisation (training batch 1, before
 any update) and four times during training.
@@ -31,7 +32,8 @@ from analyses.runs import RunSpec
 from gradscope import claims, plots
 
 INITS = ("xavier", "lipschitz")
-STEPS = {"ci": 100, "default": 100, "paper": 50_000}
+STEPS = {"ci": 100, "default": 300, "paper": 50_000}
+WARMUP = {"ci": None, "default": 100, "paper": None}  # None: the preset's fraction (4k of 50k for paper)
 
 
 def run_name(init: str) -> str:
@@ -45,6 +47,7 @@ class ResidualShrink(Analysis):
     at_init = True  # --init-only: the at-init half alone
     quantities = ("ln_w_over_sigma",)
     recordings = 4
+    min_train_seeds = 3
 
     @property
     def depth(self) -> int:
@@ -52,7 +55,8 @@ class ResidualShrink(Analysis):
 
     def plan(self) -> list[RunSpec]:
         n, p = self.depth, self.preset
-        return [self.trained(run_name(i), p.model("post_ln", n, n, init=i), STEPS[p.name], k=k)
+        return [self.trained(run_name(i), p.model("post_ln", n, n, init=i), STEPS[p.name], k=k,
+                             warmup=WARMUP[p.name])
                 for k in self.seed_indices(trained=True) for i in INITS]
 
     def conclude(self, df: pd.DataFrame) -> list[claims.Verdict]:
