@@ -5,6 +5,12 @@ modules that make its q and k, and the device buffers they write (owned by
 - ``attn_logit_max``: max over allowed positions of the pre-softmax q·k·scale per head
   (Wortsman et al. 2023 §3.1: attention-logit growth; Dehghani et al. 2023).
 - ``attn_entropy``: mean over queries of the softmax's entropy per head (Zhai et al. 2023).
+- ``attn_sink_mass``: mean over queries of the softmax's probability on key position 0, per
+  head (Xiao et al. 2024, attention sinks; Gu et al. 2025, "When attention sink emerges").
+- ``attn_softcap_saturation``: where the attention soft-caps its logits (Gemma 2's
+  ``attn_logit_softcapping`` c: the softmax sees c·tanh(z/c)), the share of allowed logits z
+  with |tanh(z/c)| > ``SOFTCAP_SATURATED`` (0.95), per head: past it the cap passes back
+  less than 1 − 0.95² ≈ 10% of the logit's gradient (Gemma Team 2024, §2).
 
 q and k are taken from hooks on the modules that produce them (``q_proj``/``k_proj``, or
 ``q_norm``/``k_norm`` when the attention normalises them; GPT-2's fused ``c_attn``), never
@@ -52,6 +58,9 @@ from gradscope.recorder.capture.hookset import HookSet
 from gradscope.recorder.capture.taps import in_backward
 
 QUERIES = 64  # queries sampled per sequence for the attention signals
+SOFTCAP_SATURATED = 0.95
+"""|tanh(z/c)| above which a soft-capped logit counts as saturated: |z| > c·atanh(0.95) ≈ 1.83·c,
+where d(c·tanh(z/c))/dz = 1 − tanh² < 0.0975, the cap passing back under a tenth of the gradient."""
 
 KV_ARGS = ("kv", "key_value_states", "encoder_hidden_states", "memory", "key", "context")
 """Names under which an attention's forward takes the states its keys come from; given and
@@ -131,6 +140,8 @@ class AttentionValues(NamedTuple):
 
     logit_max: torch.Tensor
     entropy: torch.Tensor
+    sink_mass: torch.Tensor
+    softcap_saturation: torch.Tensor  # NaN throughout where the module has no soft cap
 
 
 class AttentionSignals:
@@ -146,7 +157,9 @@ class AttentionSignals:
         self.attention = find_attention(model)
         self.unrecognised = unread_attention(model)  # attention-like modules whose q and k cannot be read
         self.want = False
-        self.attn: list[torch.Tensor] = []  # per module (H, 3): running max logit, entropy sum, query count
+        # per module (H, 6): running max logit, entropy sum, query count, sink-probability sum, saturated logits,
+        # soft-capped logits
+        self.attn: list[torch.Tensor] = []
         self._calls: dict[int, dict] = {}  # attention index -> {"mask", "rope", "q", "k"} of the call in progress
         # attention index -> why a call of the step was not read (a mask or rotary layout not understood),
         # or that it was read as bidirectional for want of a mask and of an ``is_causal`` attribute
@@ -173,7 +186,7 @@ class AttentionSignals:
         self.want = True
         if self.device != device or len(self.attn) != len(self.attention):
             self.device = device
-            self.attn = [torch.zeros(a.heads, 3, device=device) for a in self.attention]
+            self.attn = [torch.zeros(a.heads, 6, device=device) for a in self.attention]
         for buf in self.attn:
             buf.zero_()
             buf[:, 0] = -math.inf
@@ -299,6 +312,11 @@ class AttentionSignals:
         buf[:, 0] = torch.maximum(buf[:, 0], top)
         buf[:, 1] += (entropy * valid).sum(dim=(0, 2))
         buf[:, 2] += valid.sum(dim=(0, 2)).float()
+        buf[:, 3] += (p[..., 0] * valid).sum(dim=(0, 2))  # the mass on key position 0 (a sink)
+        if a.softcap is not None:
+            saturated = (torch.tanh(logits / a.softcap).abs() > SOFTCAP_SATURATED) & allowed
+            buf[:, 4] += saturated.sum(dim=(0, 2, 3)).float()
+            buf[:, 5] += allowed.sum(dim=(0, 2, 3)).float()
 
     # -- end of step ------------------------------------------------------------------------
     def values(self) -> list[AttentionValues]:
@@ -307,8 +325,10 @@ class AttentionSignals:
         for buf in self.attn:
             seen = buf[:, 2] > 0
             nan = torch.full_like(buf[:, 0], math.nan)
-            out.append(AttentionValues(torch.where(seen, buf[:, 0], nan),
-                                       torch.where(seen, buf[:, 1] / buf[:, 2].clamp_min(1), nan)))
+            queries = buf[:, 2].clamp_min(1)
+            out.append(AttentionValues(torch.where(seen, buf[:, 0], nan), torch.where(seen, buf[:, 1] / queries, nan),
+                                       torch.where(seen, buf[:, 3] / queries, nan),
+                                       torch.where(buf[:, 5] > 0, buf[:, 4] / buf[:, 5].clamp_min(1), nan)))
         return out
 
 
