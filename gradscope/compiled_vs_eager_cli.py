@@ -120,10 +120,10 @@ def _save(result, out: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from gradscope.io import atomic_write, save_frame
+    from gradscope.io import atomic_write
 
-    out.mkdir(parents=True, exist_ok=True)
-    save_frame(result.table, out / "compile_audit.parquet")
+    out.mkdir(parents=True, exist_ok=True)  # (the audit's table, not a recorder table: pandas' own parquet)
+    atomic_write(out / "compile_audit.parquet", lambda tmp: result.table.to_parquet(tmp, index=False))
     fig, ax = plt.subplots(figsize=(8, 4))
     result.figure(ax=ax, title=f"gradscope compile-audit: {title}")
     fig.tight_layout()
