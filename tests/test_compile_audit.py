@@ -188,9 +188,11 @@ def test_hf_gpt2_compiled_agrees_with_eager_dropout_and_all():
     model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=1,
                                                                  n_head=4)).train()
     ids = _ids()
-    result = gradscope.compile_audit(model, ids, lambda out: _loss(ids)(out.logits))
+    audited = ("act_norm", "act_grad_norm", "param_grad_norm", "attn_sink_mass", "attn_entropy")
+    result = gradscope.compile_audit(model, ids, lambda out: _loss(ids)(out.logits), quantities=audited)
     assert result.passed, result.summary()
-    assert {"forward", "backward", "parameter gradient"} <= set(result.table.phase)
+    assert {"forward", "backward", "parameter gradient", "other"} <= set(result.table.phase)
+    assert set(result.table[result.table.phase == "other"].quantity) == {"attn_sink_mass", "attn_entropy"}
     assert len(result.table) > 10
 
 
@@ -215,3 +217,10 @@ def test_the_command_line_refuses_a_bad_model_spec(spec, says, capsys):
 def test_a_bad_tolerance_is_refused_by_name():
     with pytest.raises(ValueError, match="tolerance"):
         gradscope.compile_audit(Net(), _ids(), _loss(_ids()), tolerance=-1.0)
+
+
+def test_a_model_compiled_in_place_is_refused_by_name():
+    model = Net()
+    model.blocks[0].compile()
+    with pytest.raises(ValueError, match=r"\['blocks.0'\] were compiled in place"):
+        gradscope.compile_audit(model, _ids(), _loss(_ids()))
