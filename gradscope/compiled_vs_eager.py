@@ -189,9 +189,15 @@ def compile_audit(model: nn.Module, batch, loss_fn: Callable, *, tolerance: floa
             p.grad = g
     table = _compare(recorded, order.ranks, tolerance)
     past = table[table.past]
-    first = None if past.empty else Divergence(**{c: past.iloc[0][c] for c in ("site", "quantity", "phase", "eager",
-                                                                              "compiled", "rel_diff")})
+    at = None if past.empty else past.iloc[0]
+    first = None if at is None else Divergence(str(at.site), str(at.quantity), str(at.phase), _float(at.eager),
+                                               _float(at.compiled), float(at.rel_diff))
     return CompileAudit(table, float(tolerance), first, recorded)
+
+
+def _float(value) -> float:
+    """A table cell as a float (NaN for a value one pass did not record)."""
+    return math.nan if pd.isna(value) else float(value)
 
 
 def _call(batch) -> Callable:

@@ -224,3 +224,19 @@ def test_a_model_compiled_in_place_is_refused_by_name():
     model.blocks[0].compile()
     with pytest.raises(ValueError, match=r"\['blocks.0'\] were compiled in place"):
         gradscope.compile_audit(model, _ids(), _loss(_ids()))
+
+
+def test_the_comparison_orders_forward_then_backward_reversed_and_flags_a_value_of_one_pass_only():
+    from gradscope.compiled_vs_eager import _compare
+
+    rows = [(0, "a.out", "act_norm", 1.0), (1, "a.out", "act_norm", 1.0), (0, "b.out", "act_norm", 2.0),
+            (0, "a.out", "act_grad_norm", 3.0), (1, "a.out", "act_grad_norm", 3.0 * (1 + 2e-3)),
+            (0, "b.out", "act_grad_norm", 0.0), (1, "b.out", "act_grad_norm", 0.0)]
+    recorded = pd.DataFrame({"step": [r[0] for r in rows], "micro_step": -1, "site": [r[1] for r in rows],
+                             "quantity": [r[2] for r in rows], "layer_j": pd.array([None] * len(rows), dtype="Int64"),
+                             "role": "", "value": [r[3] for r in rows]})
+    table = _compare(recorded, {"a.out": 0, "b.out": 1}, 1e-3)  # (a runs before b in the forward)
+    assert list(zip(table.phase, table.site)) == [("forward", "a.out"), ("forward", "b.out"), ("backward", "b.out"),
+                                                  ("backward", "a.out")]
+    assert table.rel_diff.tolist() == pytest.approx([0.0, math.inf, 0.0, 2e-3 / (1 + 2e-3)])  # (both 0: no difference)
+    assert table.past.tolist() == [False, True, False, True]
