@@ -5,6 +5,7 @@ Public names:
     site_names — the sites the recorder probes in a model (zoo or any nn.Module).
     Recorder, record, snapshot — the recorder; RecorderOptions — its less common settings.
     Quantity, StepContext — write a quantity of your own; QUANTITIES — the built-in ones.
+    compile_audit — one batch eager and compiled, compared site by site (docs/compile.md).
     load, save_frame — parquet I/O. COLUMNS — the tidy table's columns (docs/table.md).
 """
 
@@ -18,9 +19,10 @@ from gradscope.recorder.quantities.registry import QUANTITY_NAMES as QUANTITIES
 from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.discovery.layout import site_names
 from gradscope.table import COLUMNS
+from gradscope.compiled_vs_eager import compile_audit
 
 __all__ = [
     "COLUMNS", "INITS", "QUANTITIES", "VARIANTS", "ModelConfig", "Quantity", "Recorder", "RecorderOptions", "Site",
-    "SiteNorm", "StepContext", "admin_init", "build_model", "load", "presets", "record", "save_frame", "site_names",
+    "SiteNorm", "StepContext", "admin_init", "build_model", "compile_audit", "load", "presets", "record", "save_frame", "site_names",
     "snapshot",
 ]

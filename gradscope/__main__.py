@@ -1,4 +1,4 @@
-"""``python -m gradscope scan ...`` / ``report ...``: see ``python -m gradscope <command> --help``."""
+"""``python -m gradscope scan ...`` / ``report ...`` / ``compile-audit ...``: see ``python -m gradscope <command> --help``."""
 
 from __future__ import annotations
 
@@ -106,10 +106,16 @@ def _main(argv: list[str] | None) -> int:
     from gradscope import report  # -- issue 12: python -m gradscope report RUN_DIR --out DIR --
 
     report.add_parser(sub)
+    from gradscope import compiled_vs_eager_cli  # -- issue 52: python -m gradscope compile-audit --model pkg.mod:factory --
+
+    compiled_vs_eager_cli.add_parser(sub)
     args = parser.parse_args(argv)
     warnings.showwarning = _show_as_cli(args.command)
     if args.command == "report":
         return report.run(args)
+    if args.command == "compile-audit":
+        _check_device(sub.choices["compile-audit"], args.device)
+        return compiled_vs_eager_cli.run(args, sub.choices["compile-audit"])
     scan = sub.choices["scan"]  # (errors below print the scan command's usage)
     for name in ("n_enc", "n_dec", "n_layer", "d_model", "n_heads", "batch_size", "length"):
         if getattr(args, name) < 1:

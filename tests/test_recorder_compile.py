@@ -29,7 +29,7 @@ def _run(name: str, mode: str, out: Path, quantities: str = "default") -> dict:
     return json.loads((out / "stats.json").read_text())
 
 
-SIGNALS = {"attn_logit_max", "attn_entropy", "output_logit_log_z", "sublayer_out_rms", "grad_rms_over_eps"}
+SIGNALS = {"attn_logit_max", "attn_entropy", "attn_sink_mass", "output_logit_log_z", "sublayer_out_rms", "grad_rms_over_eps"}
 
 
 @pytest.mark.parametrize("name,quantities", [("pre_ln", "signals"), ("post_ln", "default"), ("llama", "signals")])

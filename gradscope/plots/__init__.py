@@ -21,9 +21,11 @@ Multi-panel figures are assembled in ``analyses/``.
 | :func:`scan_layers` | ``gradscope scan``'s per-layer profile |
 | :func:`layer_heatmap`, :func:`layer_series` | a run over time (``gradscope report``) |
 | :func:`lr_sensitivity`, :func:`signal_over_training` | Wortsman 2023 Fig. 1; signals before instability |
+| :func:`compile_audit_profile` | ``gradscope.compile_audit``: eager vs compiled, value by value |
 | :func:`spike_watch`, :func:`replay_profile` | spike replay (issue 26): the watch, and where the gradient jumped |
 """
 
+from gradscope.plots.compile_audit import compile_audit_profile
 from gradscope.plots.curves import depth_sweep, loss_curves, w_over_sigma_curves
 from gradscope.plots.instability import lr_sensitivity, signal_over_training
 from gradscope.plots.matrices import cosine_heatmap, dlcl_column, dlcl_heatmap
@@ -44,6 +46,7 @@ from gradscope.table.select import LOCATIONS
 __all__ = [
     "LOCATIONS",
     "SWEEP_COLUMNS",
+    "compile_audit_profile",
     "cosine_heatmap",
     "depth_sweep",
     "dlcl_column",

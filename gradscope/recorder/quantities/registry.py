@@ -18,6 +18,8 @@ from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.quantities.signal_quantities import (
     AttnEntropy,
     AttnLogitMax,
+    AttnSinkMass,
+    AttnSoftcapSaturation,
     GradRmsOverEps,
     OutputLogitLogZ,
     OutputLogitLogZMax,
@@ -33,7 +35,8 @@ REGISTRY: dict[str, Quantity] = {
         Logged("loss", "the training loss the loop logs (rec.log('loss', loss)); micro-batches: their mean", "loss"),
         Lr(), NonFinite(), WOverSigma(), Cosine(), DlclWeight(), ScaleNormG(), UpdateRatio(),
         Logged("val_loss", "the validation loss the loop logs (rec.log('val_loss', v, step=...))"),
-        AttnLogitMax(), AttnEntropy(), OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
+        AttnLogitMax(), AttnEntropy(), AttnSinkMass(), AttnSoftcapSaturation(),
+        OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
         Spike(), Replay(),
     )
 }
@@ -46,8 +49,9 @@ QUANTITY_NAMES: tuple[str, ...] = tuple(n for q in REGISTRY.values() for n in q.
 # -- the quantities a Recorder takes ------------------------------------------------------------
 DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
 ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", "spike")
-SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "output_logit_log_z_max", "sublayer_out_rms",
-                     "grad_rms_over_eps")  # signals before instability (gradscope.recorder.capture.signals)
+# signals before instability (gradscope.recorder.capture.signals)
+SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "attn_sink_mass", "attn_softcap_saturation", "output_logit_log_z",
+                     "output_logit_log_z_max", "sublayer_out_rms", "grad_rms_over_eps")
 QUANTITY_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES,
                                        "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
 

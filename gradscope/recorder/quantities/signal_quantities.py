@@ -1,12 +1,13 @@
 """The quantity classes of the signals that precede instability (the instability issue):
-``attn_logit_max``, ``attn_entropy``, ``output_logit_log_z`` (with ``output_logit_log_z_max``),
+``attn_logit_max``, ``attn_entropy``, ``attn_sink_mass``, ``attn_softcap_saturation``,
+``output_logit_log_z`` (with ``output_logit_log_z_max``),
 ``sublayer_out_rms`` and ``grad_rms_over_eps``. Their capture is
 :mod:`gradscope.recorder.capture.signals`; they are in :data:`gradscope.recorder.quantities.registry.REGISTRY`.
 
 Each gives one row per step (``micro_step`` -1): the forward signals are accumulated over
 the step's micro-batches (max of the maxima, mean of the means). Per-head rows carry the
 head index (0-based) in ``layer_j``; the row with ``layer_j`` <NA> is the layer's (max over
-heads for the logit, mean over heads for the entropy).
+heads for the logit, mean over heads for the others).
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class AttnLogitMax(_Signal):
                           "read have no rows. Not reported again.")
         for a, values in zip(signals.attention, signals.attention_values()):
             heads = values[self.which]
-            _per_head(ctx, a.name, self.name, heads, heads.amax() if self.which == 0 else heads.mean())
+            _per_head(ctx, a.name, self.name, heads, heads.amax() if self.which == 0 else heads.mean())  # (NaN: no row)
 
 
 class AttnEntropy(AttnLogitMax):
@@ -71,6 +72,29 @@ class AttnEntropy(AttnLogitMax):
     name, which = "attn_entropy", 1
     description = "mean over sampled queries of the attention distribution's entropy (nats), per head and layer"
     paper = "Zhai et al. 2023"
+
+
+class AttnSinkMass(AttnLogitMax):
+    """Mean over sampled queries of the attention probability on key position 0, per head and
+    per layer (Xiao et al. 2024: attention sinks; Gu et al. 2025). From the softmax the entropy
+    reads (after a soft cap); a query that may not see key 0 adds 0."""
+
+    name, which = "attn_sink_mass", 2
+    description = ("mean over sampled queries of the attention probability on key position 0 (an attention sink), "
+                   "per head and layer")
+    paper = "Xiao et al. 2024; Gu et al. 2025"
+
+
+class AttnSoftcapSaturation(AttnLogitMax):
+    """Share of the allowed attention logits z a soft cap c saturates, |tanh(z/c)| > 0.95
+    (:data:`~gradscope.recorder.capture.attention_signals.SOFTCAP_SATURATED`), per head and
+    per layer; rows only for attention modules with a soft cap (Gemma 2's
+    ``attn_logit_softcapping``), none (and no warning) for the others."""
+
+    name, which = "attn_softcap_saturation", 3
+    description = ("where the attention soft-caps its logits (Gemma 2), the share of allowed logits z with "
+                   "|tanh(z/c)| > 0.95 (the cap passes back < 10% of their gradient), per head and layer")
+    paper = "Gemma Team 2024 (Gemma 2), §2"
 
 
 class OutputLogitLogZ(_Signal):
