@@ -27,9 +27,9 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.dataset as ds
 
-from gradscope.recorder.quantities.spike import SIGMAS, WINDOW, find_spikes, too_few_for_spikes
+from gradscope.recorder.quantities.spike import RULE, WINDOW, find_spikes, first_judged_step, too_few_for_spikes
 from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, GRAD_RMS_OVER_EPS_LOW
-from gradscope.table import PARAM_ROLES
+from gradscope.table import ROLES
 from gradscope.sinks.parquet import read
 
 LOGIT_GROWTH = 10.0  # the largest attention logit growing more than this from the first recorded step: a warning
@@ -65,21 +65,54 @@ def decay_lines(rows: pd.DataFrame, step: int) -> list[str]:
     return lines
 
 
-def spike_table(spikes: pd.DataFrame, limit: int = 15, steps: int | None = None) -> list[str]:
-    """Markdown rows: spikes by site, most first. ``steps``: the longest series' length,
-    when the caller knows it (too short a series says so instead of "no spikes")."""
+def _spike_kinds(at: pd.DataFrame, layer_outs: int) -> str:
+    """What spiked at one step, by kind: "all 49 layer outputs; 3 parameter groups"."""
+    role = at.role.fillna("")
+    outs = int((role == "layer_out").sum())
+    other_acts = int((role.isin(ROLES) & (role != "layer_out")).sum())
+    params = len(at) - outs - other_acts
+    parts = []
+    if outs:
+        parts.append(f"all {outs} layer outputs" if outs == layer_outs > 1 else
+                     f"{outs} of {layer_outs} layer outputs" if layer_outs else f"{outs} layer outputs")
+    if other_acts:
+        parts.append(f"{other_acts} other activation site{'s' * (other_acts > 1)}")
+    if params:
+        parts.append(f"{params} parameter group{'s' * (params > 1)}")
+    return "; ".join(parts)
+
+
+def spike_table(spikes: pd.DataFrame, limit: int = 15, steps: int | None = None, layer_outs: int = 0,
+                looked_from: int | None = None) -> list[str]:
+    """Markdown rows: spikes grouped by step ("step 90: all 49 layer outputs").
+
+    Args:
+        spikes: spike rows.
+        limit: most steps listed (those with the most spiking sites, in step order).
+        steps: the longest series' length, when the caller knows it (too short a series
+            says so instead of "no spikes").
+        layer_outs: how many layer-output series there are (to say "all 49").
+        looked_from: the first step the rule could judge (the steps before it are said
+            to be unjudged rather than spike-free).
+    """
+    blind = f" (steps before {looked_from} not judged: the rule needs {WINDOW // 2} earlier values)" if looked_from else ""
     if spikes.empty:
         short = too_few_for_spikes(steps) if steps is not None else None
-        return [f"None: {short}." if short else "No spikes."]
-    by = spikes.groupby("site", sort=False).agg(spikes=("step", "size"), first=("step", "min"), z=("value", "max"),
-                                                role=("role", "first"))
-    by = by.sort_values(["spikes", "first"], ascending=[False, True])
-    out = ["| site | series | spikes | first step | largest z |", "|---|---|---|---|---|"]
-    for site, r in by.head(limit).iterrows():
-        series = "act_grad_norm" if r.role and r.role not in PARAM_ROLES else "param_grad_norm"
-        out.append(f"| `{site or 'total'}` | {series} | {r.spikes} | {r['first']} | {r.z:.3g} |")
-    if len(by) > limit:
-        out.append(f"\n… and {len(by) - limit} more sites ({int(by.spikes.sum())} spikes in all).")
+        if short or (steps is not None and looked_from is None):
+            return [f"None found, but {short or 'no series had enough usable earlier values for the rule to judge'}."]
+        return [f"No spikes{blind}."]
+    by = spikes.groupby("step", sort=True)
+    size = by.size().sort_values(ascending=False, kind="stable")
+    shown = sorted(size.index[:limit].tolist())
+    out = [f"{len(spikes)} spike{'s' * (len(spikes) > 1)} at {len(size)} step{'s' * (len(size) > 1)}{blind}.", "",
+           "| step | what spiked | largest z | at |", "|---|---|---|---|"]
+    for step in shown:
+        at = by.get_group(step).sort_values("value", ascending=False)
+        sites = ", ".join(f"`{x or 'total'}`" for x in at.site.head(3)) + (" …" if len(at) > 3 else "")
+        out.append(f"| {step} | {_spike_kinds(at, layer_outs)} | {at.value.max():.3g} | {sites} |")
+    if len(size) > limit:
+        rest = size.index[limit:]
+        out.append(f"\n… and {len(rest)} more steps ({int(size[rest].sum())} spikes; steps {int(min(rest))}–{int(max(rest))}).")
     return out
 
 
@@ -139,8 +172,9 @@ def report_run(rows: pd.DataFrame, out: Path, name: str, max_bins: int = 500) ->
               "### Gradient flow (the scan's rule: bottom/top layer-output ‖∂L/∂y‖ "
               f"below {DECAY_VANISHING} vanishing, above {DECAY_EXPLODING} exploding)", ""]
     lines += decay_lines(outs, int(steps.min())) + decay_lines(outs, int(steps.max())) + [""]
-    lines += [f"### Spikes (> {SIGMAS:g}σ above the mean of the site's previous {WINDOW} values; {source})", ""]
-    lines += spike_table(spikes, steps=len(steps)) + ["", "### First non-finite value", "", first_nonfinite(rows), ""]
+    lines += [f"### Spikes ({RULE}; {source})", ""]
+    lines += spike_table(spikes, steps=len(steps), layer_outs=outs.site.nunique(), looked_from=first_judged_step(outs))
+    lines += ["", "### First non-finite value", "", first_nonfinite(rows), ""]
     signals = signal_lines(rows)
     if signals:
         lines += ["### Signals before instability", "", *signals, ""]

@@ -38,16 +38,19 @@ def _frame(values, *, quantity="act_grad_norm", extra=()):
 
 
 def _slow_spikes(values, window=128, sigmas=6.0):
-    """Reference: OLMo-core's rule, one value at a time."""
+    """Reference: the robust rule, one value at a time: z = (ln v − median)/(1.4826·MAD) of the
+    logs of the previous ``window`` values that are finite and > 0 (at least half a window)."""
     found = {}
     for i, series in enumerate(values):
         for t in range(len(series)):
             past = series[max(0, t - window):t]
-            past = past[np.isfinite(past)]
-            if len(past) >= window // 2 and math.isfinite(series[t]):
-                mean, std = past.mean(), past.std(ddof=1)
-                if series[t] - mean > sigmas * std:
-                    found[(t, SITES[i])] = (series[t] - mean) / std
+            past = np.log(past[np.isfinite(past) & (past > 0)])
+            if len(past) >= window // 2 and math.isfinite(series[t]) and series[t] > 0:
+                median = np.median(past)
+                scale = max(1.4826 * np.median(np.abs(past - median)), 1e-3)
+                z = (math.log(series[t]) - median) / scale
+                if z > sigmas:
+                    found[(t, SITES[i])] = z
     return found
 
 
@@ -69,6 +72,24 @@ def test_a_planted_spike_is_found_and_a_smooth_series_has_none():
     offline = find_spikes(_frame(planted))
     assert offline[["step", "site", "quantity", "role"]].values.tolist() == [[300, SITES[1], "spike", "layer_out"]]
     assert offline.value.iloc[0] == pytest.approx(online[(300, SITES[1])], rel=1e-9)
+
+
+def _mean_std_rule(series, t, window=128, sigmas=6.0):
+    """The earlier rule (OLMo-core's mean + 6·std): whether it flags value t."""
+    past = series[max(0, t - window):t]
+    return series[t] - past.mean() > sigmas * past.std(ddof=1)
+
+
+def test_a_warm_up_transient_does_not_blind_the_rule():
+    """Issue 52: the first 10 values 1000× larger (decaying), then a 50× jump at step 90 in
+    every series. The mean and std of the window are blinded by the transient (checked here);
+    the robust rule flags step 90 in every series, and nothing else."""
+    values = _series(200)
+    values[:, :10] *= np.geomspace(1000, 2, 10)
+    values[:, 90] *= 50
+    assert not any(_mean_std_rule(series, 90) for series in values)  # the earlier rule misses it
+    assert set(_online(values)) == set(_slow_spikes(values)) == {(90, site) for site in SITES}
+    assert set(zip(find_spikes(_frame(values)).step, find_spikes(_frame(values)).site)) == {(90, s) for s in SITES}
 
 
 def test_online_and_offline_spikes_equal_the_slow_reference():
@@ -157,7 +178,8 @@ def test_report_summarises_vanishing_spikes_and_the_first_nonfinite_site(tmp_pat
     summary = report(tmp_path / "run", tmp_path / "out", progress=False).read_text()
     assert "300 recorded steps, 0–299" in summary
     assert "- step 0, decoder: bottom/top = 0.0" in summary and "**vanishing** toward the bottom" in summary
-    assert f"| `{SITES[1]}` | act_grad_norm | 1 | 250 |" in summary
+    assert "1 spike at 1 step (steps before 64 not judged" in summary
+    assert "| 250 | 1 of 3 layer outputs | " in summary and f"| `{SITES[1]}` |" in summary
     assert f"Step 280: first at `{SITES[1]}` (forward activation" in summary
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["r_heatmap.png", "r_series.png"]
 
