@@ -28,6 +28,7 @@ import pandas as pd
 import pyarrow.dataset as ds
 
 from gradscope.recorder.quantities.spike import RULE, WINDOW, find_spikes, first_judged_step, too_few_for_spikes
+from gradscope.plots.quantity_sets import EXPERT_LOAD, MOE_QUANTITIES, OUTLIER_QUANTITIES
 from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, GRAD_RMS_OVER_EPS_LOW
 from gradscope.table import ROLES
 from gradscope.sinks.parquet import read
@@ -36,6 +37,11 @@ LOGIT_GROWTH = 10.0  # the largest attention logit growing more than this from t
 READ_COLUMNS = ["run", "variant", "step", "micro_step", "rank", "stack", "layer", "site", "quantity", "value", "reduction",
                 "role", "layer_j"]
 LAYER_ROLES = ["layer_out", "embed"]
+SETS = {"Mixture of experts (routing)": ("moe", (EXPERT_LOAD, *MOE_QUANTITIES)),
+        "Activation outliers": ("outliers", OUTLIER_QUANTITIES)}
+"""The optional quantity sets a report draws a panel figure and summary lines for, when the
+run has their rows: title → (figure name, quantities)."""
+SET_QUANTITIES = [q for _, names in SETS.values() for q in names]
 
 
 def read_run(path: str | Path, *, progress: bool = True) -> pd.DataFrame:
@@ -43,7 +49,7 @@ def read_run(path: str | Path, *, progress: bool = True) -> pd.DataFrame:
     ``loss`` (accumulated rows) and every ``nonfinite`` / ``nonfinite_grad`` row."""
     q, f = ds.field("quantity"), ds.field
     wanted = (((q == "act_grad_norm") & f("role").isin(LAYER_ROLES))
-              | q.isin(["spike", "loss", "attn_logit_max", "grad_rms_over_eps"])) & (f("micro_step") == -1)
+              | q.isin(["spike", "loss", "attn_logit_max", "grad_rms_over_eps", *SET_QUANTITIES])) & (f("micro_step") == -1)
     return read(path, columns=READ_COLUMNS, filter=wanted | q.isin(["nonfinite", "nonfinite_grad"]), progress=progress)
 
 
@@ -188,7 +194,38 @@ def report_run(rows: pd.DataFrame, out: Path, name: str, max_bins: int = 500) ->
         atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
         plt.close(fig)
         figures.append(f"![{kind}]({path.name})")
+    for heading, (kind, names) in SETS.items():
+        section, figure = set_section(rows, names, out, f"{_safe(name)}_{kind}.png", f"run {name}")
+        if section:
+            lines += [f"### {heading}", "", *section, ""]
+            figures.append(f"![{kind}]({figure.name})")
     return lines + ["### Figures", ""] + figures + [""]
+
+
+def set_section(rows: pd.DataFrame, names: tuple[str, ...], out: Path, file: str,
+                title: str) -> tuple[list[str], Path | None]:
+    """The summary lines and panel figure of one optional quantity set (MoE, outliers):
+    nothing, and no figure, when the run has none of its rows.
+
+    Returns:
+        (markdown lines, the figure's path), or ([], None).
+    """
+    import matplotlib.pyplot as plt
+
+    from gradscope.plots.quantity_sets import expert_load, present, quantity_by_site, summary_lines
+    from gradscope.table.parquet import atomic_write
+
+    found = present(rows, names)
+    if not found:
+        return [], None
+    fig, axes = plt.subplots(len(found), 1, figsize=(9, 3.2 * len(found)), squeeze=False)
+    for ax, quantity in zip(axes[:, 0], found):
+        expert_load(rows, ax=ax, title=title) if quantity == EXPERT_LOAD else quantity_by_site(rows, quantity, ax=ax, title=title)
+    fig.tight_layout()
+    path = out / file
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight"))
+    plt.close(fig)
+    return summary_lines(rows, tuple(q for q in found if q != EXPERT_LOAD)) or [f"`{EXPERT_LOAD}` per expert: see the figure."], path
 
 
 def _safe(name: str) -> str:
