@@ -28,7 +28,8 @@ def scan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--hf", choices=HF_ARCHS, default=None, help="scan a HuggingFace architecture instead of a zoo model")
     p.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
                    help="scan your own model: import PKG.MODULE (or a file path/to/file.py) and call FACTORY() for an "
-                   "nn.Module; it gets --input tokens (ids of shape (batch, length) in [1, vocab)) or float")
+                   "nn.Module; it gets --input tokens (ids of shape (batch, length) in [1, vocab)) or float (default: none, "
+                   "a zoo model)")
     p.add_argument("--input", choices=("tokens", "float"), default="tokens",
                    help="--model: its synthetic input, token ids or N(0,1) values of shape (batch, length, d-model) "
                    "(default: tokens)")
