@@ -33,7 +33,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
     "01_quickstart": [
         ("md", "# gradscope quickstart\nRecord per-layer gradient norms of any model in a few lines, as one tidy table, and plot them."),
         ("code", SETUP),
-        ("md", "## A zoo model and one recorded step\n`gradscope.snapshot` runs one forward/backward with every hook on and returns the table (SPEC §3)."),
+        ("md", "## A zoo model and one recorded step\n`gradscope.snapshot` runs one forward/backward with every hook on and returns the table ([docs/table.md](../docs/table.md))."),
         ("code", '''depth = 4 if PRESET == "ci" else 12
 config = gradscope.presets.tiny(variant="post_ln", n_enc=depth, n_dec=depth, vocab=64)
 model = gradscope.build_model(config)
