@@ -96,7 +96,7 @@ def replay_options(on_spike: str | ReplayOptions | None) -> ReplayOptions | None
     elif on_spike in ON_SPIKE:
         options = ReplayOptions()
     else:
-        raise ValueError(f"on_spike: must be one of {[*ON_SPIKE, None]} or a gradscope.recorder.replay.replay.ReplayOptions, "
+        raise ValueError(f"on_spike: must be one of {[*ON_SPIKE, None]} or a gradscope.ReplayOptions, "
                          f"got {on_spike!r}")
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
