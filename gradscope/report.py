@@ -8,12 +8,16 @@ behind a progress bar (:func:`gradscope.sinks.parquet.read`). Writes, per run:
   each step's first non-finite site starred (:func:`gradscope.plots.over_time.layer_heatmap`);
 - ``<run>_series.png``: the bottom, middle and top layer of each stack over steps, spikes
   marked (:func:`gradscope.plots.over_time.layer_series`);
+- ``<run>_moe.png`` / ``<run>_outliers.png``, only when the run has rows of the ``moe`` /
+  ``outliers`` sets (:data:`SETS`; :mod:`gradscope.plots.quantity_sets`);
 - ``summary.md``: vanishing or exploding stacks at the first and last step (the scan's rule,
-  :mod:`gradscope.scan`: bottom/top layer-output gradient below 0.1 or above 10), spikes by
-  site, and the first non-finite site.
+  :mod:`gradscope.scan`: bottom/top layer-output gradient below 0.1 or above 10), spikes
+  grouped by step ("step 90: all 49 layer outputs"), the steps the rule could not judge,
+  the first non-finite site, the signals, and the MoE and outlier sections.
 
 Spikes are the run's recorded ``spike`` rows when it has any, else :func:`find_spikes` on
-the layer-output series read here (the same rule).
+the layer-output series read here (the same rule: :mod:`gradscope.recorder.quantities.spike`,
+median/MAD of log values, which an early transient does not blind).
 """
 
 from __future__ import annotations

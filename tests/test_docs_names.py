@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
 PUBLIC = {"gradscope", "gradscope.plots", "gradscope.presets", "gradscope.sinks", "gradscope.distributed",
           "gradscope.train", "gradscope.recorder", "gradscope.table", "gradscope.integrations.hf",
-          "gradscope.integrations.lightning", "gradscope.integrations.tensorboard"}
+          "gradscope.integrations.lightning", "gradscope.integrations.tensorboard", "gradscope.model_spec"}
 """The namespaces a user imports from: the package, and its subpackages with a public
 ``__all__`` or a documented entry point. Anything deeper (``gradscope.table.keys``,
 ``gradscope.recorder.quantities.quantity``) is the implementation's."""
