@@ -34,7 +34,7 @@ import pyarrow.dataset as ds
 from gradscope.recorder.quantities.spike import RULE, WINDOW, find_spikes, first_judged_step, too_few_for_spikes
 from gradscope.plots.quantity_sets import EXPERT_LOAD, MOE_QUANTITIES, OUTLIER_QUANTITIES
 from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, GRAD_RMS_OVER_EPS_LOW
-from gradscope.table import ROLES
+from gradscope.table import PARAM_ROLES, ROLES
 from gradscope.sinks.parquet import read
 
 LOGIT_GROWTH = 10.0  # the largest attention logit growing more than this from the first recorded step: a warning
@@ -79,7 +79,9 @@ def _spike_kinds(at: pd.DataFrame, layer_outs: int) -> str:
     """What spiked at one step, by kind: "all 49 layer outputs; 3 parameter groups"."""
     role = at.role.fillna("")
     outs = int((role == "layer_out").sum())
-    other_acts = int((role.isin(ROLES) & (role != "layer_out")).sum())
+    # (a spike row keeps its series' role: an activation site's, or a parameter group's, "" or PARAM_ROLES; "other"
+    # is both, and is counted as a parameter group, as this table did before)
+    other_acts = int((role.isin(ROLES) & ~role.isin(PARAM_ROLES) & (role != "layer_out")).sum())
     params = len(at) - outs - other_acts
     parts = []
     if outs:

@@ -128,3 +128,28 @@ def test_a_run_without_moe_or_outlier_rows_gets_no_panel_and_no_error(tmp_path):
     only_outliers = pd.concat([plain, df[df.quantity == "act_abs_max"]])
     lines, path = set_section(only_outliers, ("act_abs_max", "act_kurtosis", "massive_act_count"), tmp_path, "x.png", "t")
     assert len(lines) == 1 and path.exists()
+
+
+def test_spikes_are_grouped_by_step_the_busiest_steps_listed_and_the_rest_counted():
+    from gradscope.plots.over_time import layer_series
+    from gradscope.report import spike_table
+
+    outs = [f"m.layers.{i}" for i in range(49)]
+    rows = [dict(step=90, site=s, quantity="spike", value=50.0 + i, role="layer_out") for i, s in enumerate(outs)]
+    rows += [dict(step=90, site="m.layers.0.attn", quantity="spike", value=9.0, role="")]  # a parameter group
+    rows += [dict(step=100 + k, site=outs[k], quantity="spike", value=7.0, role="layer_out") for k in range(20)]
+    spikes = make_frame(rows)
+    lines = spike_table(spikes, limit=15, layer_outs=49, looked_from=64)
+    assert lines[0] == "70 spikes at 21 steps (steps before 64 not judged: the rule needs 64 earlier values)."
+    assert "| 90 | all 49 layer outputs; 1 parameter group | 98 | `m.layers.48`, `m.layers.47`, `m.layers.46` … |" in lines
+    listed = [int(line.split("|")[1]) for line in lines if line.startswith("| ") and line[2].isdigit()]
+    assert listed == [90, *range(100, 114)]  # the busiest first (90), then the rest in step order: 15 steps
+    assert lines[-1] == "\n… and 6 more steps (6 spikes; steps 114–119)."
+
+    values = np.ones((2, 80))  # the series drawn have no spike; others do: the title says where
+    df = make_frame([dict(run="r", step=s, stack="m", layer=i + 1, site=f"m.{i}", quantity="act_grad_norm",
+                          value=values[i, s], role="layer_out") for s in range(80) for i in range(2)])
+    fig, ax = plt.subplots()
+    layer_series(df, spikes=spikes, ax=ax)
+    assert "no spikes at these layers from step 64 on (earlier steps not judged; 70 spikes at other sites)" in ax.get_title()
+    plt.close(fig)

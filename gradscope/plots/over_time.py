@@ -196,8 +196,8 @@ def _spike_note(rows: pd.DataFrame, spikes: pd.DataFrame, marked: list[int], loo
         return "spikes not looked for: no 'spike' rows (record it, or pass spikes=find_spikes(df))"
     if first is None:
         return "spikes not judged: no series had enough usable earlier values"
-    elsewhere = f" ({len(spikes)} at other sites)" if len(spikes) else ""
-    return f"no spikes at these layers from step {first} on{elsewhere} (earlier steps not judged)"
+    elsewhere = f"; {len(spikes)} spikes at other sites" if len(spikes) else ""
+    return f"no spikes at these layers from step {first} on (earlier steps not judged{elsewhere})"
 
 
 def _spike_handle():
