@@ -208,3 +208,20 @@ def test_report_warns_on_attention_logit_growth_and_gradient_rms_near_eps():
     assert f"grew more than {LOGIT_GROWTH:g}" in text and "peak 30 at step 20" in text
     assert "gradient RMS below" in text and "`d.layers.0`" in text and "from step 20" in text
     assert signal_lines(make_frame([])) == []
+
+
+def test_a_checkpoint_of_the_mean_std_rule_resumes_with_its_windows_as_logs():
+    """A spike state saved before the robust rule held raw values (and no "values" key)."""
+    values = _series(300, planted=[(250, 0, 3.0)])
+    keys = [(-1, "decoder", i + 1, site, "act_grad_norm", None, "layer_out") for i, site in enumerate(SITES)]
+    first, second = SpikeDetector(), SpikeDetector()
+    for t in range(200):
+        first.rows(keys, values[:, t])
+    state = first.state_dict()
+    old = {"keys": state["keys"], "ring": torch.from_numpy(np.exp(state["ring"].numpy())), "seen": state["seen"]}
+    second.load_state_dict(old)
+    for t in range(200, 300):
+        a, za = first.rows(keys, values[:, t])
+        b, zb = second.rows(keys, values[:, t])
+        assert a == b and np.allclose(za, zb, rtol=1e-12)
+        assert [k.site for k in a] == ([SITES[0]] if t == 250 else [])
