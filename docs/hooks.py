@@ -76,5 +76,23 @@ def on_page_markdown(markdown, page, config, files):
 SPHINX_ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj):(?=<code)")
 
 
+DOCS_LINK = re.compile(r'href="\.\./docs/([^"#]*?)\.md(#[^"]*)?"')
+"""A notebook's link to a docs page as the repository has it (``../docs/table.md#anchor``)."""
+
+
+def docs_link_in_site(match: re.Match, page, directory_urls: bool) -> str:
+    """The built page's address of a notebook's ``../docs/<page>.md`` link, relative to the
+    notebook's own page (so the one link works on GitHub and in the built site)."""
+    up = "../" * page.url.count("/")  # from the notebook's page to the site's root
+    name = match[1]
+    if directory_urls:
+        target = "" if name == "index" else f"{name.removesuffix('/index')}/"
+    else:
+        target = f"{name}.html"
+    return f'href="{up}{target}{match[2] or ""}"'
+
+
 def on_page_content(html, page, config, files):
+    if page.file.src_uri.startswith("notebooks/"):
+        html = DOCS_LINK.sub(lambda m: docs_link_in_site(m, page, config.use_directory_urls), html)
     return SPHINX_ROLE.sub("", html)

@@ -26,6 +26,13 @@ def scan_parser(sub) -> argparse.ArgumentParser:
     p.add_argument("--n-enc", type=int, default=size.n_enc, help="zoo encoder layers (default: %(default)s)")
     p.add_argument("--n-dec", type=int, default=size.n_dec, help="zoo decoder layers (default: %(default)s)")
     p.add_argument("--hf", choices=HF_ARCHS, default=None, help="scan a HuggingFace architecture instead of a zoo model")
+    p.add_argument("--model", default=None, metavar="PKG.MODULE:FACTORY",
+                   help="scan your own model: import PKG.MODULE (or a file path/to/file.py) and call FACTORY() for an "
+                   "nn.Module; it gets --input tokens (ids of shape (batch, length) in [1, vocab)) or float (default: none, "
+                   "a zoo model)")
+    p.add_argument("--input", choices=("tokens", "float"), default="tokens",
+                   help="--model: its synthetic input, token ids or N(0,1) values of shape (batch, length, d-model) "
+                   "(default: tokens)")
     p.add_argument("--n-layer", type=int, default=12, help="--hf: number of layers (default: 12)")
     p.add_argument("--d-model", type=int, default=size.d_model, help="width (default: %(default)s)")
     p.add_argument("--n-heads", type=int, default=size.n_heads, help="attention heads (default: %(default)s)")
@@ -41,6 +48,7 @@ def scan_parser(sub) -> argparse.ArgumentParser:
 
 ZOO_ONLY = ("variant", "arch", "init", "n_enc", "n_dec", "d_ff")  # scan flags of a zoo model only
 HF_ONLY = ("n_layer",)  # scan flags of --hf only
+MODEL_ONLY = ("input",)  # scan flags of --model only
 
 
 def _check_device(parser: argparse.ArgumentParser, device: str) -> None:
@@ -77,6 +85,11 @@ def print_scan(result, out: Path, title: str) -> None:
     atomic_write(out / "scan.png", lambda tmp: fig.savefig(tmp, format="png", dpi=120, bbox_inches="tight"))
     plt.close(fig)
     print(f"\nwrote {out / 'scan.png'} and {out / 'scan.parquet'}")
+
+
+def kind_of(args) -> str:
+    """'with --model' / 'with --hf': which kind of scan the flags asked for."""
+    return "with --model" if args.model else "with --hf"
 
 
 def _show_as_cli(command: str):
@@ -120,24 +133,32 @@ def _main(argv: list[str] | None) -> int:
     for name in ("n_enc", "n_dec", "n_layer", "d_model", "n_heads", "batch_size", "length"):
         if getattr(args, name) < 1:
             scan.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.d_model % args.n_heads:
+    if args.d_model % args.n_heads and not args.model:
         scan.error(f"--d-model {args.d_model} must be a multiple of --n-heads {args.n_heads}")
-    least = 2 if args.hf else 4  # (the synthetic batch draws token ids from 1, or from 3 past the zoo's specials)
+    if args.hf and args.model:
+        scan.error("--hf and --model: scan one model at a time")
+    least = 2 if args.hf or args.model else 4  # (the synthetic batch draws token ids from 1, or from 3 past the zoo's specials)
     if args.vocab < least:
-        scan.error(f"--vocab must be >= {least} {'with --hf' if args.hf else 'for a zoo model'}, got {args.vocab}")
+        scan.error(f"--vocab must be >= {least} {kind_of(args) if least == 2 else 'for a zoo model'}, got {args.vocab}")
     _check_device(scan, args.device)
-    ignored = [f"--{n.replace('_', '-')}" for n in (ZOO_ONLY if args.hf else HF_ONLY)
-               if getattr(args, n) != scan.get_default(n)]
+    kind = "--model" if args.model else "--hf" if args.hf else None
+    unused = {"--model": ZOO_ONLY + HF_ONLY + ("n_heads",), "--hf": ZOO_ONLY + MODEL_ONLY, None: HF_ONLY + MODEL_ONLY}[kind]
+    ignored = [f"--{n.replace('_', '-')}" for n in unused if getattr(args, n) != scan.get_default(n)]
     if ignored:
         print(f"gradscope scan: warning: {', '.join(ignored)} {'is' if len(ignored) == 1 else 'are'} ignored "
-              f"{'with --hf' if args.hf else 'without --hf'}", file=sys.stderr)
-    from gradscope.scan import run_scan
+              f"{f'with {kind}' if kind else 'for a zoo model'}", file=sys.stderr)
+    from gradscope.scan import run_scan, scan_own
 
     try:
-        result = run_scan(args)
+        if args.model:
+            result, loss_text = scan_own(args)
+            print(f"gradscope scan: {args.model}, loss: {loss_text}")
+        else:
+            result = run_scan(args)
     except ValueError as err:
-        parser.error(str(err))
-    title = f"HF {args.hf}, {args.n_layer} layers" if args.hf else f"{args.variant} ({args.init}), {args.n_enc}L-{args.n_dec}L {args.arch}"
+        scan.error(str(err))
+    title = (f"{args.model}" if args.model else f"HF {args.hf}, {args.n_layer} layers" if args.hf
+             else f"{args.variant} ({args.init}), {args.n_enc}L-{args.n_dec}L {args.arch}")
     print_scan(result, args.out, title)
     return 0
 

@@ -8,12 +8,16 @@ behind a progress bar (:func:`gradscope.sinks.parquet.read`). Writes, per run:
   each step's first non-finite site starred (:func:`gradscope.plots.over_time.layer_heatmap`);
 - ``<run>_series.png``: the bottom, middle and top layer of each stack over steps, spikes
   marked (:func:`gradscope.plots.over_time.layer_series`);
+- ``<run>_moe.png`` / ``<run>_outliers.png``, only when the run has rows of the ``moe`` /
+  ``outliers`` sets (:data:`SETS`; :mod:`gradscope.plots.quantity_sets`);
 - ``summary.md``: vanishing or exploding stacks at the first and last step (the scan's rule,
-  :mod:`gradscope.scan`: bottom/top layer-output gradient below 0.1 or above 10), spikes by
-  site, and the first non-finite site.
+  :mod:`gradscope.scan`: bottom/top layer-output gradient below 0.1 or above 10), spikes
+  grouped by step ("step 90: all 49 layer outputs"), the steps the rule could not judge,
+  the first non-finite site, the signals, and the MoE and outlier sections.
 
 Spikes are the run's recorded ``spike`` rows when it has any, else :func:`find_spikes` on
-the layer-output series read here (the same rule).
+the layer-output series read here (the same rule: :mod:`gradscope.recorder.quantities.spike`,
+median/MAD of log values, which an early transient does not blind).
 """
 
 from __future__ import annotations
@@ -27,15 +31,21 @@ from pathlib import Path
 import pandas as pd
 import pyarrow.dataset as ds
 
-from gradscope.recorder.quantities.spike import SIGMAS, WINDOW, find_spikes, too_few_for_spikes
+from gradscope.recorder.quantities.spike import RULE, WINDOW, find_spikes, first_judged_step, too_few_for_spikes
+from gradscope.plots.quantity_sets import EXPERT_LOAD, MOE_QUANTITIES, OUTLIER_QUANTITIES
 from gradscope.scan import DECAY_EXPLODING, DECAY_VANISHING, GRAD_RMS_OVER_EPS_LOW
-from gradscope.table import PARAM_ROLES
+from gradscope.table import PARAM_ROLES, ROLES
 from gradscope.sinks.parquet import read
 
 LOGIT_GROWTH = 10.0  # the largest attention logit growing more than this from the first recorded step: a warning
 READ_COLUMNS = ["run", "variant", "step", "micro_step", "rank", "stack", "layer", "site", "quantity", "value", "reduction",
                 "role", "layer_j"]
 LAYER_ROLES = ["layer_out", "embed"]
+SETS = {"Mixture of experts (routing)": ("moe", (EXPERT_LOAD, *MOE_QUANTITIES)),
+        "Activation outliers": ("outliers", OUTLIER_QUANTITIES)}
+"""The optional quantity sets a report draws a panel figure and summary lines for, when the
+run has their rows: title → (figure name, quantities)."""
+SET_QUANTITIES = [q for _, names in SETS.values() for q in names]
 
 
 def read_run(path: str | Path, *, progress: bool = True) -> pd.DataFrame:
@@ -43,7 +53,7 @@ def read_run(path: str | Path, *, progress: bool = True) -> pd.DataFrame:
     ``loss`` (accumulated rows) and every ``nonfinite`` / ``nonfinite_grad`` row."""
     q, f = ds.field("quantity"), ds.field
     wanted = (((q == "act_grad_norm") & f("role").isin(LAYER_ROLES))
-              | q.isin(["spike", "loss", "attn_logit_max", "grad_rms_over_eps"])) & (f("micro_step") == -1)
+              | q.isin(["spike", "loss", "attn_logit_max", "grad_rms_over_eps", *SET_QUANTITIES])) & (f("micro_step") == -1)
     return read(path, columns=READ_COLUMNS, filter=wanted | q.isin(["nonfinite", "nonfinite_grad"]), progress=progress)
 
 
@@ -65,21 +75,56 @@ def decay_lines(rows: pd.DataFrame, step: int) -> list[str]:
     return lines
 
 
-def spike_table(spikes: pd.DataFrame, limit: int = 15, steps: int | None = None) -> list[str]:
-    """Markdown rows: spikes by site, most first. ``steps``: the longest series' length,
-    when the caller knows it (too short a series says so instead of "no spikes")."""
+def _spike_kinds(at: pd.DataFrame, layer_outs: int) -> str:
+    """What spiked at one step, by kind: "all 49 layer outputs; 3 parameter groups"."""
+    role = at.role.fillna("")
+    outs = int((role == "layer_out").sum())
+    # (a spike row keeps its series' role: an activation site's, or a parameter group's, "" or PARAM_ROLES; "other"
+    # is both, and is counted as a parameter group, as this table did before)
+    other_acts = int((role.isin(ROLES) & ~role.isin(PARAM_ROLES) & (role != "layer_out")).sum())
+    params = len(at) - outs - other_acts
+    parts = []
+    if outs:
+        parts.append(f"all {outs} layer outputs" if outs == layer_outs > 1 else
+                     f"{outs} of {layer_outs} layer outputs" if layer_outs else f"{outs} layer outputs")
+    if other_acts:
+        parts.append(f"{other_acts} other activation site{'s' * (other_acts > 1)}")
+    if params:
+        parts.append(f"{params} parameter group{'s' * (params > 1)}")
+    return "; ".join(parts)
+
+
+def spike_table(spikes: pd.DataFrame, limit: int = 15, steps: int | None = None, layer_outs: int = 0,
+                looked_from: int | None = None) -> list[str]:
+    """Markdown rows: spikes grouped by step ("step 90: all 49 layer outputs").
+
+    Args:
+        spikes: spike rows.
+        limit: most steps listed (those with the most spiking sites, in step order).
+        steps: the longest series' length, when the caller knows it (too short a series
+            says so instead of "no spikes").
+        layer_outs: how many layer-output series there are (to say "all 49").
+        looked_from: the first step the rule could judge (the steps before it are said
+            to be unjudged rather than spike-free).
+    """
+    blind = f" (steps before {looked_from} not judged: the rule needs {WINDOW // 2} earlier values)" if looked_from else ""
     if spikes.empty:
         short = too_few_for_spikes(steps) if steps is not None else None
-        return [f"None: {short}." if short else "No spikes."]
-    by = spikes.groupby("site", sort=False).agg(spikes=("step", "size"), first=("step", "min"), z=("value", "max"),
-                                                role=("role", "first"))
-    by = by.sort_values(["spikes", "first"], ascending=[False, True])
-    out = ["| site | series | spikes | first step | largest z |", "|---|---|---|---|---|"]
-    for site, r in by.head(limit).iterrows():
-        series = "act_grad_norm" if r.role and r.role not in PARAM_ROLES else "param_grad_norm"
-        out.append(f"| `{site or 'total'}` | {series} | {r.spikes} | {r['first']} | {r.z:.3g} |")
-    if len(by) > limit:
-        out.append(f"\n… and {len(by) - limit} more sites ({int(by.spikes.sum())} spikes in all).")
+        if short or (steps is not None and looked_from is None):
+            return [f"None found, but {short or 'no series had enough usable earlier values for the rule to judge'}."]
+        return [f"No spikes{blind}."]
+    by = spikes.groupby("step", sort=True)
+    size = by.size().sort_values(ascending=False, kind="stable")
+    shown = sorted(size.index[:limit].tolist())
+    out = [f"{len(spikes)} spike{'s' * (len(spikes) > 1)} at {len(size)} step{'s' * (len(size) > 1)}{blind}.", "",
+           "| step | what spiked | largest z | at |", "|---|---|---|---|"]
+    for step in shown:
+        at = by.get_group(step).sort_values("value", ascending=False)
+        sites = ", ".join(f"`{x or 'total'}`" for x in at.site.head(3)) + (" …" if len(at) > 3 else "")
+        out.append(f"| {step} | {_spike_kinds(at, layer_outs)} | {at.value.max():.3g} | {sites} |")
+    if len(size) > limit:
+        rest = size.index[limit:]
+        out.append(f"\n… and {len(rest)} more steps ({int(size[rest].sum())} spikes; steps {int(min(rest))}–{int(max(rest))}).")
     return out
 
 
@@ -139,8 +184,9 @@ def report_run(rows: pd.DataFrame, out: Path, name: str, max_bins: int = 500) ->
               "### Gradient flow (the scan's rule: bottom/top layer-output ‖∂L/∂y‖ "
               f"below {DECAY_VANISHING} vanishing, above {DECAY_EXPLODING} exploding)", ""]
     lines += decay_lines(outs, int(steps.min())) + decay_lines(outs, int(steps.max())) + [""]
-    lines += [f"### Spikes (> {SIGMAS:g}σ above the mean of the site's previous {WINDOW} values; {source})", ""]
-    lines += spike_table(spikes, steps=len(steps)) + ["", "### First non-finite value", "", first_nonfinite(rows), ""]
+    lines += [f"### Spikes ({RULE}; {source})", ""]
+    lines += spike_table(spikes, steps=len(steps), layer_outs=outs.site.nunique(), looked_from=first_judged_step(outs))
+    lines += ["", "### First non-finite value", "", first_nonfinite(rows), ""]
     signals = signal_lines(rows)
     if signals:
         lines += ["### Signals before instability", "", *signals, ""]
@@ -154,7 +200,38 @@ def report_run(rows: pd.DataFrame, out: Path, name: str, max_bins: int = 500) ->
         atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight"))
         plt.close(fig)
         figures.append(f"![{kind}]({path.name})")
+    for heading, (kind, names) in SETS.items():
+        section, figure = set_section(rows, names, out, f"{_safe(name)}_{kind}.png", f"run {name}")
+        if section:
+            lines += [f"### {heading}", "", *section, ""]
+            figures.append(f"![{kind}]({figure.name})")
     return lines + ["### Figures", ""] + figures + [""]
+
+
+def set_section(rows: pd.DataFrame, names: tuple[str, ...], out: Path, file: str,
+                title: str) -> tuple[list[str], Path | None]:
+    """The summary lines and panel figure of one optional quantity set (MoE, outliers):
+    nothing, and no figure, when the run has none of its rows.
+
+    Returns:
+        (markdown lines, the figure's path), or ([], None).
+    """
+    import matplotlib.pyplot as plt
+
+    from gradscope.plots.quantity_sets import expert_load, present, quantity_by_site, summary_lines
+    from gradscope.table.parquet import atomic_write
+
+    found = present(rows, names)
+    if not found:
+        return [], None
+    fig, axes = plt.subplots(len(found), 1, figsize=(9, 3.2 * len(found)), squeeze=False)
+    for ax, quantity in zip(axes[:, 0], found):
+        expert_load(rows, ax=ax, title=title) if quantity == EXPERT_LOAD else quantity_by_site(rows, quantity, ax=ax, title=title)
+    fig.tight_layout()
+    path = out / file
+    atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight"))
+    plt.close(fig)
+    return summary_lines(rows, tuple(q for q in found if q != EXPERT_LOAD)) or [f"`{EXPERT_LOAD}` per expert: see the figure."], path
 
 
 def _safe(name: str) -> str:

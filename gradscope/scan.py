@@ -2,13 +2,15 @@
 
 The scan answers "will this stack have trouble?" before any training: the per-layer
 gradient norm of every layer output, the smallest LayerNorm gain (Takase 2022 §3), and any
-non-finite site. Models: a zoo variant, or a HuggingFace architecture built from its config
-class with random weights (nothing is downloaded).
+non-finite site. Models: a zoo variant, a HuggingFace architecture built from its config
+class with random weights (nothing is downloaded), or one's own (``--model pkg.module:factory``,
+:mod:`gradscope.model_spec`).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import pandas as pd
@@ -148,9 +150,87 @@ def hf_model(args) -> tuple[torch.nn.Module, dict]:
     return model, {"input_ids": ids.to(args.device), "labels": ids.to(args.device)}
 
 
+@dataclass
+class OwnModel:
+    """A ``--model`` model with its synthetic batch and loss; ``loss_text`` says which loss
+    was taken, once the loss has seen the output."""
+
+    model: torch.nn.Module
+    inputs: tuple
+    loss_fn: Callable
+    loss_text: str = ""
+
+
+def _output_tensor(out) -> torch.Tensor:
+    """The tensor a model's output holds: itself, ``.logits``, ``.last_hidden_state``, or a
+    tuple's, list's or dict's first tensor."""
+    for name in ("logits", "last_hidden_state"):
+        if isinstance(getattr(out, name, None), torch.Tensor):
+            return getattr(out, name)
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        out = next((o for o in out if isinstance(o, torch.Tensor)), out)
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"the model's output is a {type(out).__name__} holding no tensor; the scan needs a tensor "
+                        "(or .logits, or a tuple whose first tensor is the output)")
+    return out
+
+
+def own_model(args) -> OwnModel:
+    """``--model``'s model (:func:`gradscope.model_spec.load_model`) on ``args.device``, a
+    synthetic batch (``--input tokens``: ids in [1, vocab) of shape (batch, length);
+    ``float``: N(0, 1) of shape (batch, length, d_model)) and its loss: next-token
+    cross-entropy when the output is (batch, length, V) logits of token input, else the mean
+    of the output's squares (said in ``loss_text``)."""
+    from gradscope.model_spec import load_model
+
+    model = load_model(args.model).to(args.device).train()
+    g = torch.Generator().manual_seed(args.seed)
+    if args.input == "tokens":
+        x = torch.randint(1, args.vocab, (args.batch_size, args.length), generator=g)
+    else:
+        x = torch.randn(args.batch_size, args.length, args.d_model, generator=g)
+    own = OwnModel(model, (x.to(args.device),), None)
+
+    def loss_fn(output):
+        y = _output_tensor(output).float()
+        if args.input == "tokens" and y.dim() == 3 and tuple(y.shape[:2]) == tuple(x.shape):
+            own.loss_text = "next-token cross-entropy of the (batch, length, vocab) output"
+            return F.cross_entropy(y[:, :-1].flatten(0, 1), own.inputs[0][:, 1:].flatten())
+        own.loss_text = f"mean of the squares of the output {tuple(y.shape)} (no token logits: a synthetic loss)"
+        return y.square().mean()
+
+    own.loss_fn = loss_fn
+    return own
+
+
+def scan_own(args) -> tuple[ScanResult, str]:
+    """Scans ``--model``'s model: (the result, the loss taken, in words).
+
+    Raises:
+        ValueError: the spec gives no model (:class:`gradscope.model_spec.ModelSpecError`),
+            or the model fails on the synthetic batch (naming the batch and the flags that set it).
+    """
+    torch.manual_seed(args.seed)
+    own = own_model(args)
+    x = own.inputs[0]
+    try:
+        table = gradscope.snapshot(own.model, own.inputs, own.loss_fn, quantities="signals", run="scan",
+                                   optimizer=_eps_only(own.model))
+    except Exception as err:
+        batch = f"ids in [1, {args.vocab})" if args.input == "tokens" else "N(0, 1) values"
+        raise ValueError(f"--model {args.model!r}: the model on --input {args.input} of shape {tuple(x.shape)} ({batch}) "
+                         f"failed: {type(err).__name__}: {err} (set --input, --vocab, --d-model and --length to what "
+                         "the model takes)") from err
+    return summarize(table), own.loss_text
+
+
 def run_scan(args) -> ScanResult:
     """Builds the model the arguments describe, records one step, and summarises it."""
     torch.manual_seed(args.seed)
+    if getattr(args, "model", None):
+        return scan_own(args)[0]
     if args.hf:
         model, kwargs = hf_model(args)
         with gradscope.record(model, quantities="signals", run="scan", optimizer=_eps_only(model)) as rec:

@@ -33,7 +33,7 @@ NOTEBOOKS: dict[str, list[tuple[str, str]]] = {
     "01_quickstart": [
         ("md", "# gradscope quickstart\nRecord per-layer gradient norms of any model in a few lines, as one tidy table, and plot them."),
         ("code", SETUP),
-        ("md", "## A zoo model and one recorded step\n`gradscope.snapshot` runs one forward/backward with every hook on and returns the table (SPEC §3)."),
+        ("md", "## A zoo model and one recorded step\n`gradscope.snapshot` runs one forward/backward with every hook on and returns the table ([docs/table.md](../docs/table.md))."),
         ("code", '''depth = 4 if PRESET == "ci" else 12
 config = gradscope.presets.tiny(variant="post_ln", n_enc=depth, n_dec=depth, vocab=64)
 model = gradscope.build_model(config)
@@ -156,14 +156,14 @@ from gradscope.sinks import open_dataset
 table = open_dataset(runs).to_table(columns=["run", "step", "layer", "value"],
                                     filter=(ds.field("quantity") == "act_grad_norm") & (ds.field("role") == "layer_out"))
 table.to_pandas().groupby(["run", "layer"]).value.median().unstack("run")'''),
-        ("md", "## The run over time\nA layer × step heatmap of the layer-output gradient norm (log colour; non-finite origins would be starred), and the bottom, middle and top layer with spikes marked (a value more than 6σ above the mean of the site's previous 128 values, OLMo-core's rule)."),
+        ("md", "## The run over time\nA layer × step heatmap of the layer-output gradient norm (log colour; non-finite origins would be starred), and the bottom, middle and top layer with spikes marked (a value whose log is more than 6 robust σ above the median of the logs of the site's previous 128 values: median/MAD, so an early transient does not blind it; docs/long-runs.md)."),
         ("code", '''from gradscope.plots.over_time import layer_heatmap, layer_series
 fig, axes = plt.subplots(2, 1, figsize=(10, 8))
 for ax, variant in zip(axes, ("post_ln", "pre_ln")):
     layer_heatmap(df[df.run == variant], ax=ax, title=f"{variant} {depth}-layer decoder LM, preset {PRESET}")
 fig.tight_layout()'''),
         ("code", '''ax = layer_series(df[df.run == "post_ln"], title=f"post_ln {depth}-layer decoder LM, preset {PRESET}")'''),
-        ("md", "## The report\n`python -m gradscope report RUN_DIR --out DIR` writes these figures as PNGs and a short summary: vanishing or exploding stacks at the first and last step (the scan's rule), spikes by site, the first non-finite site."),
+        ("md", "## The report\n`python -m gradscope report RUN_DIR --out DIR` writes these figures as PNGs and a short summary: vanishing or exploding stacks at the first and last step (the scan's rule), spikes grouped by step, the steps the rule could not judge, the first non-finite site, and MoE and outlier panels when the run recorded those sets."),
         ("code", '''from IPython.display import Markdown
 from gradscope.report import report
 summary = report(runs / "post_ln", runs / "report", progress=False)
@@ -171,7 +171,7 @@ Markdown(summary.read_text().split("### Figures")[0])'''),
         ("md", "## Live trackers\nThe same rows can go to TensorBoard and Weights & Biases while the run goes on (not run here):\n\n```python\nfrom gradscope.sinks import TensorBoardSink, WandbSink\nwandb.init(project=\"deep-postln\")\nrec = gradscope.Recorder(model, log_dir=\"runs/exp1\", sinks=[TensorBoardSink(\"runs/tb\"), WandbSink()])\n```\n\nSeries are named `act_grad_norm/decoder.layers.3.out`, grouped by quantity."),
     ],
     "06_spike_replay": [
-        ("md", "# Replay a spike\nWatch every step cheaply; when one spikes, record that very step, per layer, before the optimizer applies it. `Recorder(..., every=25, on_spike=\"replay\")` with `rec.run(step, closure)`: the closure runs forward and backward of the whole step and returns the loss. The watch checks the loss and the total gradient norm (OLMo-core's 6σ rule, after 16 steps of history); on a flagged step the schedule skips, the RNG states are restored and the closure runs again, recorded, and the gradients are left as the first run made them."),
+        ("md", "# Replay a spike\nWatch every step cheaply; when one spikes, record that very step, per layer, before the optimizer applies it. `Recorder(..., every=25, on_spike=\"replay\")` with `rec.run(step, closure)`: the closure runs forward and backward of the whole step and returns the loss. The watch checks the loss and the total gradient norm (6 robust σ on log values, median/MAD, after 16 steps of history); on a flagged step the schedule skips, the RNG states are restored and the closure runs again, recorded, and the gradients are left as the first run made them."),
         ("code", SETUP),
         ("md", "## A Pre-LN decoder LM with a planted spike\nAt one step the loss is multiplied by 1000 before backward. The closure captures its batch (a loop that refills its batch tensors in place must hand it a copy); clipping reuses the watch's norm."),
         ("code", '''from gradscope.train import make_task, label_smoothed_loss

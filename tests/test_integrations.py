@@ -54,8 +54,10 @@ def test_hf_trainer_callback_matches_plain_recorder(tmp_path):
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[Snapshot(), callback])
     trainer.train()
     table = callback.recorder.frame()
-    assert sorted(table.step.unique()) == [0, 1, 2]
-    for step, (state, calls) in seen.items():
+    assert sorted(table.step.unique()) == [1, 2, 3]  # the Trainer's numbering (issue 52): its logs say steps 1, 2, 3
+    assert [h["step"] for h in trainer.state.log_history if "loss" in h] == [1, 2, 3]
+    for before, (state, calls) in seen.items():  # (global_step before the update: the Trainer calls the update before + 1)
+        step = before + 1
         replay = transformers.GPT2LMHeadModel(config)
         replay.load_state_dict(state)
         replay.train()
@@ -193,11 +195,15 @@ def test_hf_loss_rows_are_the_step_s_own_loss_or_none(tmp_path, logging_steps):
     table = callback.recorder.frame()
     loss = table.query("quantity == 'loss'").set_index("step").value
     lr = table.query("quantity == 'lr'").set_index("step").value
-    assert sorted(lr.index) == [0, 2] and all(lr[s] == pytest.approx(lrs[s], rel=1e-6) for s in (0, 2))
+    # the table's step is the Trainer's (state.global_step after the update, as its logs): every=2 records 2 and 4,
+    # the 2nd and 4th updates (lrs[1], lrs[3])
+    assert sorted(lr.index) == [2, 4] and all(lr[s] == pytest.approx(lrs[s - 1], rel=1e-6) for s in (2, 4))
     if logging_steps == 1:
-        assert sorted(loss.index) == [0, 2]
-        for step in (0, 2):
-            assert loss[step] == pytest.approx(losses[step], rel=1e-4), step  # (the Trainer logs 4 digits)
+        assert sorted(loss.index) == [2, 4]
+        logged = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
+        for step in (2, 4):
+            assert loss[step] == logged[step], step  # the Trainer's own log of that step, under the same step
+            assert loss[step] == pytest.approx(losses[step - 1], rel=1e-4), step  # (the Trainer logs 4 digits)
     else:
         assert loss.empty
         assert any("logging_steps=2" in str(w.message) for w in caught)

@@ -38,16 +38,19 @@ def _frame(values, *, quantity="act_grad_norm", extra=()):
 
 
 def _slow_spikes(values, window=128, sigmas=6.0):
-    """Reference: OLMo-core's rule, one value at a time."""
+    """Reference: the robust rule, one value at a time: z = (ln v − median)/(1.4826·MAD) of the
+    logs of the previous ``window`` values that are finite and > 0 (at least half a window)."""
     found = {}
     for i, series in enumerate(values):
         for t in range(len(series)):
             past = series[max(0, t - window):t]
-            past = past[np.isfinite(past)]
-            if len(past) >= window // 2 and math.isfinite(series[t]):
-                mean, std = past.mean(), past.std(ddof=1)
-                if series[t] - mean > sigmas * std:
-                    found[(t, SITES[i])] = (series[t] - mean) / std
+            past = np.log(past[np.isfinite(past) & (past > 0)])
+            if len(past) >= window // 2 and math.isfinite(series[t]) and series[t] > 0:
+                median = np.median(past)
+                scale = max(1.4826 * np.median(np.abs(past - median)), 5e-3)
+                z = (math.log(series[t]) - median) / scale
+                if z > sigmas:
+                    found[(t, SITES[i])] = z
     return found
 
 
@@ -69,6 +72,33 @@ def test_a_planted_spike_is_found_and_a_smooth_series_has_none():
     offline = find_spikes(_frame(planted))
     assert offline[["step", "site", "quantity", "role"]].values.tolist() == [[300, SITES[1], "spike", "layer_out"]]
     assert offline.value.iloc[0] == pytest.approx(online[(300, SITES[1])], rel=1e-9)
+
+
+def _mean_std_rule(series, t, window=128, sigmas=6.0):
+    """The earlier rule (OLMo-core's mean + 6·std): whether it flags value t."""
+    past = series[max(0, t - window):t]
+    return series[t] - past.mean() > sigmas * past.std(ddof=1)
+
+
+def test_a_warm_up_transient_does_not_blind_the_rule():
+    """Issue 52: the first 10 values 1000× larger (decaying), then a 50× jump at step 90 in
+    every series. The mean and std of the window are blinded by the transient (checked here);
+    the robust rule flags step 90 in every series, and nothing else."""
+    values = _series(200)
+    values[:, :10] *= np.geomspace(1000, 2, 10)
+    values[:, 90] *= 50
+    assert not any(_mean_std_rule(series, 90) for series in values)  # the earlier rule misses it
+    assert set(_online(values)) == set(_slow_spikes(values)) == {(90, site) for site in SITES}
+    assert set(zip(find_spikes(_frame(values)).step, find_spikes(_frame(values)).site)) == {(90, s) for s in SITES}
+
+
+def test_a_series_that_barely_moves_needs_a_3_percent_rise():
+    """σ̂'s floor: float noise and bf16 rounding steps on a flat series are no spike, 10% is."""
+    rng = np.random.default_rng(1)
+    flat = np.ones((3, 150)) * (1 + 1e-7 * rng.standard_normal((3, 150)))
+    flat[1] = torch.tensor(2 + 0.004 * rng.standard_normal(150)).bfloat16().double().numpy()  # a few bf16 steps
+    flat[:, 120] *= [1.02, 1.02, 1.10]
+    assert set(_online(flat)) == set(_slow_spikes(flat)) == {(120, SITES[2])}
 
 
 def test_online_and_offline_spikes_equal_the_slow_reference():
@@ -157,7 +187,8 @@ def test_report_summarises_vanishing_spikes_and_the_first_nonfinite_site(tmp_pat
     summary = report(tmp_path / "run", tmp_path / "out", progress=False).read_text()
     assert "300 recorded steps, 0–299" in summary
     assert "- step 0, decoder: bottom/top = 0.0" in summary and "**vanishing** toward the bottom" in summary
-    assert f"| `{SITES[1]}` | act_grad_norm | 1 | 250 |" in summary
+    assert "1 spike at 1 step (steps before 64 not judged" in summary
+    assert "| 250 | 1 of 3 layer outputs | " in summary and f"| `{SITES[1]}` |" in summary
     assert f"Step 280: first at `{SITES[1]}` (forward activation" in summary
     assert sorted(p.name for p in (tmp_path / "out").glob("*.png")) == ["r_heatmap.png", "r_series.png"]
 
@@ -177,3 +208,20 @@ def test_report_warns_on_attention_logit_growth_and_gradient_rms_near_eps():
     assert f"grew more than {LOGIT_GROWTH:g}" in text and "peak 30 at step 20" in text
     assert "gradient RMS below" in text and "`d.layers.0`" in text and "from step 20" in text
     assert signal_lines(make_frame([])) == []
+
+
+def test_a_checkpoint_of_the_mean_std_rule_resumes_with_its_windows_as_logs():
+    """A spike state saved before the robust rule held raw values (and no "values" key)."""
+    values = _series(300, planted=[(250, 0, 3.0)])
+    keys = [(-1, "decoder", i + 1, site, "act_grad_norm", None, "layer_out") for i, site in enumerate(SITES)]
+    first, second = SpikeDetector(), SpikeDetector()
+    for t in range(200):
+        first.rows(keys, values[:, t])
+    state = first.state_dict()
+    old = {"keys": state["keys"], "ring": torch.from_numpy(np.exp(state["ring"].numpy())), "seen": state["seen"]}
+    second.load_state_dict(old)
+    for t in range(200, 300):
+        a, za = first.rows(keys, values[:, t])
+        b, zb = second.rows(keys, values[:, t])
+        assert a == b and np.allclose(za, zb, rtol=1e-12)
+        assert [k.site for k in a] == ([SITES[0]] if t == 250 else [])

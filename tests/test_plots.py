@@ -398,5 +398,8 @@ def test_ln_gains_of_a_foreign_model_draws_each_norm_name_and_names_the_stacks(a
     plots.ln_gains(df, stack="transformer.h", ax=ax)
     drawn = {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()}
     assert drawn["ln_1"] == pytest.approx([1.1, 2.1, 3.1]) and drawn["ln_2"] == pytest.approx([1.2, 2.2, 3.2])
+    ax.clear()
+    plots.ln_gains(df, ax=ax)  # one stack: no stack= needed (issue 52)
+    assert {line.get_label(): list(line.get_ydata()) for line in ax.get_lines()} == drawn
     with pytest.raises(ValueError, match=r"stack 'decoder'.*\['transformer.h'\]"):
-        plots.ln_gains(df, ax=ax)
+        plots.ln_gains(df, stack="decoder", ax=ax)

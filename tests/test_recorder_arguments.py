@@ -65,6 +65,21 @@ def test_a_step_that_is_no_integer_raises_and_leaves_nothing_open(step):
     assert not rec.frame().empty
 
 
+@pytest.mark.parametrize("step", [-1, np.int64(-5)])
+def test_a_negative_step_is_refused_and_leaves_nothing_open(step):
+    model = _model()
+    rec = gradscope.Recorder(model)
+    with pytest.raises(ValueError, match=r"Recorder.step: the step must be >= 0 .*got -"):
+        with rec.step(step):
+            pass
+    with pytest.raises(ValueError, match=r"Recorder.log\(step=...\): the step must be >= 0"):
+        rec.log("val_loss", 1.0, step=step)
+    with rec.step(0):  # nothing was left open
+        model(torch.randn(2, 4)).sum().backward()
+    rec.log("val_loss", 1.0, step=3)
+    assert sorted(rec.frame().step.unique()) == [0, 3]
+
+
 def test_log_refuses_names_the_recorder_computes_and_values_that_are_no_numbers():
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)

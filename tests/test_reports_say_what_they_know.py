@@ -52,7 +52,9 @@ def test_a_series_without_spike_rows_says_spikes_were_not_looked_for():
     title = _title(df)
     assert "spikes not looked for" in title
     assert "no spikes" in _title(df, spikes=df.iloc[0:0])  # looked for (the caller passed them): none
-    assert spike_table(df.iloc[0:0], steps=70) == ["No spikes."]
+    assert spike_table(df.iloc[0:0], steps=70, looked_from=64) == [
+        "No spikes (steps before 64 not judged: the rule needs 64 earlier values)."]
+    assert "None found, but no series had enough" in spike_table(df.iloc[0:0], steps=70)[0]
 
 
 @pytest.mark.parametrize("name", ["run.csv", "run", "run.txt"])

@@ -8,7 +8,10 @@
 
 The step opens at ``on_step_begin`` (before the first micro-batch of a step) and closes at
 ``on_pre_optimizer_step`` (after every backward, before ``optimizer.step()``), so gradient
-accumulation is covered. Step index = ``state.global_step`` before the update. The Trainer
+accumulation is covered. The table's step is the Trainer's own: ``state.global_step`` after
+the update, the ``step`` of ``trainer.state.log_history`` and of ``checkpoint-<step>``, so
+the update the Trainer logs as step 1 (its first) is the table's step 1. With ``every=N`` the
+recorded steps are N, 2N... (as ``logging_steps=N`` logs them). The Trainer
 clips gradients *before* ``on_pre_optimizer_step``: with ``max_grad_norm > 0`` the
 ``param_grad_norm`` rows are the clipped norms (activation gradients are unaffected). Set
 ``max_grad_norm=0`` to record unclipped parameter norms.
@@ -52,20 +55,21 @@ class GradscopeCallback(TrainerCallback):
             self.recorder.attach_optimizer(optimizer)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        if self.recorder.begin_step(state.global_step):
-            self._recorded.add(state.global_step)
+        step = state.global_step + 1  # (the Trainer counts this update once it is done: its logs say step + 1)
+        if self.recorder.begin_step(step):
+            self._recorded.add(step)
 
     def on_pre_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         if self.recorder.open_step is not None:
-            if optimizer is not None and state.global_step in self._recorded:
+            if optimizer is not None and state.global_step + 1 in self._recorded:
                 self.recorder.log("lr", float(optimizer.param_groups[0]["lr"]))  # the lr of this update
             self.recorder.end_step()
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        # on_log runs after the update, when global_step already counts it
+        # on_log runs after the update, when global_step already counts it (the table's numbering)
         if not logs or "loss" not in logs:
             return
-        first, last = self._logged_at, state.global_step - 1  # the steps this log's mean covers
+        first, last = self._logged_at + 1, state.global_step  # the steps this log's mean covers
         self._logged_at = state.global_step
         covered = {s for s in self._recorded if first <= s <= last}
         self._recorded -= covered

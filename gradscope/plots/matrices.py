@@ -42,7 +42,7 @@ def cosine_heatmap(
     *,
     run: str | None = None,
     variant: str | None = None,
-    stack: str = "decoder",
+    stack: str | None = None,
     step: StepSpec = "last",
     vmin: float = 0.0,
     vmax: float = 1.0,
@@ -56,7 +56,8 @@ def cosine_heatmap(
         df: tidy table with ``cosine`` rows; not modified.
         run: run name; overrides ``variant``.
         variant: variant whose single run is drawn.
-        stack: ``"encoder"`` or ``"decoder"``.
+        stack: ``"encoder"`` or ``"decoder"``, or a foreign model's block list (default: the
+            table's only stack; in a zoo encoder–decoder table, the paper's stack).
         step: step or ``"first"`` / ``"last"`` (default: the trained model).
         vmin: colour-scale minimum, fixed so panels compare (default 0; lower values
             are clipped and the colorbar says so with an arrow).
@@ -68,6 +69,7 @@ def cosine_heatmap(
     Returns:
         The Axes; ``ax.collections[0]`` is the mesh, upper triangle and missing cells masked.
     """
+    stack = S.stack_of(df, stack, quantity="cosine", zoo_default="decoder", caller="cosine_heatmap")
     mat, name, resolved = _one_matrix(df, "cosine", run, variant, stack, step)
     mask = np.triu(np.ones_like(mat, dtype=bool), k=1) | np.isnan(mat)
     ax = _style.get_ax(ax)
@@ -87,7 +89,7 @@ def dlcl_heatmap(
     *,
     run: str | None = None,
     variant: str | None = None,
-    stack: str = "encoder",
+    stack: str | None = None,
     step: StepSpec = "last",
     site: str | None = None,
     abs_threshold: float = 0.1,
@@ -108,7 +110,8 @@ def dlcl_heatmap(
         df: tidy table with ``dlcl_weight`` rows; not modified.
         run: run name; overrides ``variant``.
         variant: variant whose single run is drawn.
-        stack: ``"encoder"`` or ``"decoder"``.
+        stack: ``"encoder"`` or ``"decoder"``, or a foreign model's block list (default: the
+            table's only stack; in a zoo encoder–decoder table, the paper's stack).
         step: step or ``"first"`` / ``"last"`` (default: the trained model).
         site: the mixer's site, needed only when the stack has several.
         abs_threshold: absolute masking threshold.
@@ -122,6 +125,7 @@ def dlcl_heatmap(
     Returns:
         The Axes; ``ax.collections[0]`` is the mesh with the masked cells masked.
     """
+    stack = S.stack_of(df, stack, quantity="dlcl_weight", zoo_default="encoder", caller="dlcl_heatmap")
     mat, name, resolved = _one_matrix(df, "dlcl_weight", run, variant, stack, step, site)
     mask = S.dlcl_mask(mat, abs_threshold, rel_threshold)
     ax = _style.get_ax(ax)
@@ -143,7 +147,7 @@ def dlcl_column(
     column: int = 10,
     run: str | None = None,
     variant: str | None = None,
-    stack: str = "encoder",
+    stack: str | None = None,
     step: StepSpec | Sequence[int] = "last",
     site: str | None = None,
     ax: Axes | None = None,
@@ -156,7 +160,8 @@ def dlcl_column(
         column: k, the layer output whose weights are drawn (the paper's y_10).
         run: run name; overrides ``variant``.
         variant: variant whose single run is drawn.
-        stack: ``"encoder"`` or ``"decoder"``.
+        stack: ``"encoder"`` or ``"decoder"``, or a foreign model's block list (default: the
+            table's only stack; in a zoo encoder–decoder table, the paper's stack).
         step: a step, ``"first"`` / ``"last"`` (default), or a sequence of steps for one
             line per step (the column's change over training).
         site: the mixer's site, needed only when the stack has several.
@@ -171,6 +176,7 @@ def dlcl_column(
         ValueError: the column is outside the matrix, or no rows.
     """
     steps = [step] if isinstance(step, (int, str)) else list(step)
+    stack = S.stack_of(df, stack, quantity="dlcl_weight", zoo_default="encoder", caller="dlcl_column")
     ax = _style.get_ax(ax)
     name = ""
     for s in steps:

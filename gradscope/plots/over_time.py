@@ -16,7 +16,7 @@ from matplotlib.axes import Axes
 from matplotlib.colors import LogNorm
 
 from gradscope.plots import _style
-from gradscope.recorder.quantities.spike import SIGMAS, WINDOW, too_few_for_spikes
+from gradscope.recorder.quantities.spike import RULE, first_judged_step, too_few_for_spikes
 
 NONFINITE_MARKER = dict(marker="*", s=90, color="magenta", edgecolor="black", linewidths=0.5, zorder=5)
 SPIKE_MARKER = dict(marker="v", s=40, color="red", zorder=4)
@@ -179,11 +179,25 @@ def layer_series(df: pd.DataFrame, *, layers: Sequence[tuple[str, int]] | None =
     mark_nonfinite(df, ax)
     extra = [] if not marked else [_spike_handle()]
     _style.legend(ax, extra)
+    return _style.finish(ax, title, [f"{quantity} at {role} sites", _spike_note(rows, spikes, marked, looked)])
+
+
+def _spike_note(rows: pd.DataFrame, spikes: pd.DataFrame, marked: list[int], looked: bool) -> str:
+    """What the ▼ marks say, and where the rule could not look (never a bare "no spikes"
+    over steps it could not judge)."""
+    first = first_judged_step(rows)
+    blind = f"; steps before {first} not judged" if first else ""
+    if marked:
+        return f"▼ spike: {RULE} ({sum(marked)} shown{blind})"
     short = too_few_for_spikes(int(rows.step.nunique()))
-    note = (f"▼ spike: > {SIGMAS:g}σ above the mean of the previous {WINDOW} values ({sum(marked)} shown)" if marked
-            else short if short else "no spikes" if looked
-            else "spikes not looked for: no 'spike' rows (record it, or pass spikes=find_spikes(df))")
-    return _style.finish(ax, title, [f"{quantity} at {role} sites", note])
+    if short:
+        return short
+    if not looked:
+        return "spikes not looked for: no 'spike' rows (record it, or pass spikes=find_spikes(df))"
+    if first is None:
+        return "spikes not judged: no series had enough usable earlier values"
+    elsewhere = f"; {len(spikes)} spikes at other sites" if len(spikes) else ""
+    return f"no spikes at these layers from step {first} on (earlier steps not judged{elsewhere})"
 
 
 def _spike_handle():

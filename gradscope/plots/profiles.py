@@ -41,7 +41,7 @@ def layer_norms(
     df: pd.DataFrame,
     *,
     quantity: str = "act_grad_norm",
-    stack: str = "decoder",
+    stack: str | None = None,
     role: str = "layer_out",
     include_embed: bool = False,
     hue: str = "variant",
@@ -60,7 +60,8 @@ def layer_norms(
     Args:
         df: tidy table (``gradscope.table``); not modified.
         quantity: table quantity, default the activation-gradient norm.
-        stack: ``"encoder"``, ``"decoder"``, or a foreign model's block list.
+        stack: ``"encoder"``, ``"decoder"``, or a foreign model's block list (default: the
+            table's only stack; in a zoo encoder–decoder table, ``"decoder"``).
         role: which sites of a layer: ``"layer_out"`` (default), ``"layer_in"``, ``"sum"``,
             ``"norm_in"``... (``gradscope.table``); a layer with several such sites (one
             ``sum`` per sub-layer) is drawn at their mean.
@@ -82,6 +83,7 @@ def layer_norms(
         ValueError: no matching rows, or a hue value covers several runs.
     """
     roles = (role, "embed") if include_embed else (role,)
+    stack = S.stack_of(df, stack, quantity=quantity, zoo_default="decoder", caller="layer_norms")
     data = S.rows(df, quantity=quantity, stack=stack, role=roles)
     points, steps = _points(data, step, f"{quantity} at {stack} sites of role {' or '.join(roles)}")
     ax = _style.get_ax(ax)
@@ -103,7 +105,7 @@ def location_norms(
     run: str | None = None,
     variant: str | None = "post_ln",
     quantity: str = "act_grad_norm",
-    stack: str = "decoder",
+    stack: str | None = None,
     step: StepSpec = "first",
     logy: bool = True,
     ax: Axes | None = None,
@@ -121,7 +123,8 @@ def location_norms(
         run: run name; overrides ``variant`` as the selector.
         variant: variant whose single run is drawn (default ``post_ln``).
         quantity: table quantity.
-        stack: stack holding the layers.
+        stack: stack holding the layers (default: the table's only stack; in a zoo
+            encoder–decoder table, ``"decoder"``).
         step: step or ``"first"`` (default) / ``"last"``.
         logy: log-scaled y axis.
         ax: Axes to draw on.
@@ -133,6 +136,7 @@ def location_norms(
     Raises:
         ValueError: no rows, several runs selected, or a requested layer is absent.
     """
+    stack = S.stack_of(df, stack, quantity=quantity, zoo_default="decoder", caller="location_norms")
     data = S.single_run(S.rows(df, quantity=quantity, stack=stack), run=run,
                         variant=None if run is not None else variant)
     points, steps = _points(data, step, f"{quantity} in {stack} of {run or variant}")
@@ -157,11 +161,12 @@ def location_norms(
 
 
 def _norm_profile(
-    df: pd.DataFrame, quantity: str, stack: str, hue: str, hue_order: Sequence[str] | None,
+    df: pd.DataFrame, quantity: str, stack: str | None, hue: str, hue_order: Sequence[str] | None,
     step: StepSpec, ax: Axes | None, title: str | None, reference: tuple[float, str] | None,
 ) -> Axes:
     """Per-norm quantity averaged per layer (sites opaque; the ``layer`` column is x), with an
     optional dashed ``(value, label)`` reference line."""
+    stack = S.stack_of(df, stack, quantity=quantity, zoo_default="encoder", caller=quantity)
     data = S.rows(df, quantity=quantity, stack=stack)
     points, steps = _points(data.loc[data["layer"].notna()], step, f"{quantity} in {stack}")
     ax = _style.get_ax(ax)
@@ -179,7 +184,7 @@ def _norm_profile(
 def w_over_sigma(
     df: pd.DataFrame,
     *,
-    stack: str = "encoder",
+    stack: str | None = None,
     hue: str = "run",
     hue_order: Sequence[str] | None = None,
     step: StepSpec = "first",
@@ -193,7 +198,8 @@ def w_over_sigma(
 
     Args:
         df: tidy table with ``ln_w_over_sigma`` rows; not modified.
-        stack: ``"encoder"`` or ``"decoder"``.
+        stack: ``"encoder"`` or ``"decoder"``, or a foreign model's block list (default: the
+            table's only stack; in a zoo encoder–decoder table, ``"encoder"``).
         hue: column for one line per value; default ``run`` (post_ln with two inits are
             the same variant).
         hue_order: order of the lines.
@@ -210,7 +216,7 @@ def w_over_sigma(
 def scalenorm_g(
     df: pd.DataFrame,
     *,
-    stack: str = "encoder",
+    stack: str | None = None,
     hue: str = "run",
     hue_order: Sequence[str] | None = None,
     step: StepSpec = "last",
@@ -224,7 +230,8 @@ def scalenorm_g(
 
     Args:
         df: tidy table with ``scalenorm_g`` rows; not modified.
-        stack: ``"encoder"`` or ``"decoder"``.
+        stack: ``"encoder"`` or ``"decoder"``, or a foreign model's block list (default: the
+            table's only stack; in a zoo encoder–decoder table, ``"encoder"``).
         hue: column for one line per value.
         hue_order: order of the lines.
         step: step or ``"first"`` / ``"last"`` (default: after training).
@@ -284,7 +291,7 @@ GAIN_SUBLAYERS: tuple[tuple[str, str], ...] = (
 def ln_gains(
     df: pd.DataFrame,
     *,
-    stack: str = "decoder",
+    stack: str | None = None,
     step: StepSpec = "first",
     ax: Axes | None = None,
     title: str | None = None,
@@ -298,7 +305,8 @@ def ln_gains(
     Args:
         df: tidy table with ``ln_gain`` rows of one run; not modified.
         stack: the layer stack (``"encoder"`` or ``"decoder"`` in a zoo model; a foreign
-            model's stack is its blocks' path, as ``"transformer.h"``).
+            model's stack is its blocks' path, as ``"transformer.h"``); default: the table's
+            only stack, in a zoo encoder–decoder table ``"decoder"``.
         step: step, or ``"first"`` (default: at initialisation, as Takase §3) or ``"last"``.
         ax: Axes to draw on.
         title: first title line; the step follows automatically.
@@ -309,6 +317,7 @@ def ln_gains(
     Raises:
         ValueError: no ``ln_gain`` rows of ``stack``'s layers (naming the stacks that have some).
     """
+    stack = S.stack_of(df, stack, quantity="ln_gain", zoo_default="decoder", caller="ln_gains")
     ax = _style.get_ax(ax)
     gains = S.rows(df, quantity="ln_gain", stack=stack)
     gains = gains.loc[gains["layer"].notna()]  # the layers' norms, not the final norm

@@ -19,6 +19,7 @@ from gradscope.recorder.capture.optimizer_step import OptimizerStepHooks
 from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.rows.late_rows import LateRows
 from gradscope.recorder.rows.outlet import Outlet
+from gradscope.recorder.step.arguments import step_index
 from gradscope.recorder.step.checks import StepChecks
 from gradscope.recorder.step.step_end import StepEnd
 from gradscope.table.keys import Key
@@ -131,5 +132,9 @@ class StepSession:
         return True
 
     def log_later(self, key: Key, value: float | torch.Tensor, step: int) -> None:
-        """A value logged for ``step`` outside its recorded step: stored at once."""
-        self.late.rows(step, [key], np.array([float(value)]))
+        """A value logged for ``step`` outside its recorded step: stored at once.
+
+        Raises:
+            TypeError, ValueError: ``step`` is no integer, or is negative.
+        """
+        self.late.rows(step_index(step, "Recorder.log(step=...)"), [key], np.array([float(value)]))

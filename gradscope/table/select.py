@@ -226,6 +226,28 @@ def location_values(points: pd.DataFrame, layer: int) -> np.ndarray:
     return np.asarray(out, dtype=float)
 
 
+def stack_of(df: pd.DataFrame, stack: str | None, *, quantity: str, zoo_default: str, caller: str) -> str:
+    """The stack a plot draws: ``stack`` when given; else the only stack with ``quantity`` rows
+    (any model with one block list: ``"transformer.h"``, ``"model.layers"``...); in a table
+    with several (a zoo encoder–decoder), ``zoo_default`` when it is one of them.
+
+    Raises:
+        ValueError: several stacks and none is ``zoo_default`` (naming them), or no
+            ``quantity`` rows in any stack.
+    """
+    if stack is not None:
+        return stack
+    found = set(df.loc[df["quantity"] == quantity, "stack"].dropna().astype(str))
+    named = sorted(found - {""})
+    if len(named) == 1 or (not named and found):
+        return named[0] if named else ""
+    if zoo_default in named:
+        return zoo_default
+    if not named:
+        raise ValueError(f"{caller}: no {quantity} rows in any stack")
+    raise ValueError(f"{caller}: the table has {quantity} rows in several stacks {named}; pass stack= one of them")
+
+
 def one_matrix(
     df: pd.DataFrame, quantity: str, *, run: str | None, variant: str | None, stack: str,
     step: StepSpec, site: str | None = None,

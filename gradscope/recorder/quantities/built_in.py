@@ -360,9 +360,9 @@ class Spike(Quantity):
     added by the Recorder's outlet as each step's rows pass, from the watched quantities."""
 
     name = "spike"
-    description = ("z-score (above 6) of a value against its series' previous 128 recorded values, for every "
-                   "quantity whose spike_watched is set")
-    paper = "OLMo-core's loss-spike rule"
+    description = ("robust z-score (above 6) of a value's log against the median and MAD of its series' previous "
+                   "128 recorded values' logs, for every quantity whose spike_watched is set")
+    paper = "OLMo-core's loss-spike window; Hampel 1974 (median/MAD)"
 
     def rows(self, data):
         return []  # written as each step's rows pass the outlet (gradscope.recorder.quantities.spike)

@@ -12,10 +12,10 @@ loss and the total gradient norm ‖g‖ over every parameter gradient (one redu
 ``torch.nn.utils.clip_grads_with_norm_(params, max_norm, rec.grad_norm)`` reuses it and
 clips exactly as ``clip_grad_norm_`` would). Both stay on the device until one transfer of
 the two numbers, the one host sync the watch needs (the verdict is due before the loop's
-``optimizer.step()``). The rule is the ``spike`` quantity's (:mod:`gradscope.recorder.quantities.spike`,
-OLMo-core's): v − mean > 6·std of the series' previous ``window`` (128) finite values, with
-a verdict once ``min_history`` (16, not half the window) values are in; a spike stays in
-the window. With a ``GradScaler`` the norm is divided by its scale first.
+``optimizer.step()``). The rule is the ``spike`` quantity's (:mod:`gradscope.recorder.quantities.spike`):
+z = (ln v − median)/(1.4826·MAD) > 6 over the logs of the series' previous ``window`` (128)
+finite positive values, with a verdict once ``min_history`` (16, not half the window) values
+are in; a spike stays in the window. With a ``GradScaler`` the norm is divided by its scale first.
 
 **The replay** (:class:`SpikeReplay`), on a flagged step the schedule did not record: the
 RNG states taken before the closure (torch CPU and every initialised CUDA device, Python's
@@ -64,7 +64,7 @@ class ReplayOptions:
     Attributes:
         window: previous steps per series (default 128, OLMo-core's).
         min_history: finite previous values needed before a verdict (default 16).
-        sigmas: threshold in standard deviations above the window's mean (default 6).
+        sigmas: threshold on the robust z-score, (ln v − median)/(1.4826·MAD) of the window's logs (default 6).
     """
 
     window: int = WINDOW
@@ -96,7 +96,7 @@ def replay_options(on_spike: str | ReplayOptions | None) -> ReplayOptions | None
     elif on_spike in ON_SPIKE:
         options = ReplayOptions()
     else:
-        raise ValueError(f"on_spike: must be one of {[*ON_SPIKE, None]} or a gradscope.recorder.replay.replay.ReplayOptions, "
+        raise ValueError(f"on_spike: must be one of {[*ON_SPIKE, None]} or a gradscope.ReplayOptions, "
                          f"got {on_spike!r}")
     dist = torch.distributed
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

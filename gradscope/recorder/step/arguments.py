@@ -39,14 +39,22 @@ def checked_arguments(model, *, every, slow_every, optimizer, run) -> tuple[int,
     return int(every), int(slow_every)
 
 
-def step_index(step) -> int:
+def step_index(step, where: str = "Recorder.step") -> int:
     """A training step's index as an int (numpy integers too).
+
+    Args:
+        step: the index given.
+        where: the call that got it, for the message.
 
     Raises:
         TypeError: ``step`` is not an integer (a float, a string, None, a bool).
+        ValueError: ``step`` is negative (steps count from 0; ``micro_step`` -1 is the
+            step's own row, no step is -1).
     """
     if isinstance(step, bool) or not isinstance(step, numbers.Integral):
-        raise TypeError(f"Recorder.step: the step must be an integer (the global training step), got {step!r}")
+        raise TypeError(f"{where}: the step must be an integer (the global training step), got {step!r}")
+    if step < 0:
+        raise ValueError(f"{where}: the step must be >= 0 (the global training step, counted from 0), got {int(step)}")
     return int(step)
 
 
