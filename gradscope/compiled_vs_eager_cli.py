@@ -10,16 +10,15 @@ the values past the tolerance (or the largest differences), the verdict, and wri
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from gradscope.compiled_vs_eager import DEFAULT_TOLERANCE, compile_audit
+from gradscope.model_spec import ModelSpecError, load_model
 from gradscope.recorder.capture.signals import vocab_sizes
 
 
@@ -46,28 +45,6 @@ def add_parser(sub) -> argparse.ArgumentParser:
     return p
 
 
-def load_factory(spec: str) -> Callable[[], nn.Module]:
-    """``package.module:factory`` → the callable (``factory`` may be dotted: ``module:Class.build``).
-
-    Raises:
-        ValueError: a spec not of that form, a module that does not import, or a missing or
-            non-callable attribute.
-    """
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr or ":" in attr:
-        raise ValueError(f"--model: 'package.module:factory' (a callable returning an nn.Module); got {spec!r}")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as err:
-        raise ValueError(f"--model {spec!r}: cannot import {module_name!r}: {err}") from err
-    factory = module
-    for part in attr.split("."):
-        factory = getattr(factory, part, None)
-    if not callable(factory):
-        raise ValueError(f"--model {spec!r}: {module_name!r} has no callable {attr!r}")
-    return factory
-
-
 def synthetic_loss(ids: torch.Tensor, vocab: int) -> Callable:
     """Next-token cross entropy against ``ids`` (B, T) when the output (or its ``.logits``, or
     its first item) is (B, T, vocab), else the mean square of the output."""
@@ -89,14 +66,11 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 2")
     if args.tolerance is not None and not args.tolerance > 0:
         parser.error(f"--tolerance must be > 0, got {args.tolerance}")
-    try:
-        factory = load_factory(args.model)
-    except ValueError as err:
-        parser.error(str(err))
     torch.manual_seed(args.seed)
-    model = factory()
-    if not isinstance(model, nn.Module):
-        parser.error(f"--model {args.model!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    try:
+        model = load_model(args.model)
+    except ModelSpecError as err:
+        parser.error(str(err))
     model = model.to(args.device)
     if args.eval:
         model.eval()

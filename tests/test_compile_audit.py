@@ -207,7 +207,7 @@ def test_the_command_line_names_the_plant_and_writes_the_table_and_figure(tmp_pa
 
 
 @pytest.mark.parametrize("spec,says", [("no_colon", "package.module:factory"), ("no_such_module_x:f", "cannot import"),
-                                       (f"{__name__}:missing", "no callable")])
+                                       (f"{__name__}:missing", "has no attribute 'missing'")])
 def test_the_command_line_refuses_a_bad_model_spec(spec, says, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["compile-audit", "--model", spec])
