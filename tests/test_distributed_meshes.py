@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradscope
+from spike_ranks import assert_replayed_on_every_rank, spike_replay_on_every_rank
 
 WORLD, D = 4, 16
 LAYOUTS = ("tp", "fsdp_tp", "hsdp")
@@ -113,6 +114,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                             timeout=timedelta(seconds=120))
     try:
         found = {layout: _one_layout(layout) for layout in LAYOUTS}
+        found["spike_fsdp2"] = spike_replay_on_every_rank("fsdp2")
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(found, f)
@@ -144,3 +146,11 @@ def test_every_group_and_site_norm_equals_a_single_process_run(measured, layout)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_training_with_the_recorder_is_bit_identical(measured, layout):
     assert measured[layout]["same"]
+
+
+def test_a_spike_on_one_rank_is_replayed_on_every_rank_under_fsdp2(measured):
+    """FSDP2 over 4 ranks (1-D mesh), rank 0's loss ×1e3 at one step: every rank flags and
+    replays it, the replayed rows equal each rank's always-recording run's to 1e-6, and
+    training clipped with rec.grad_norm (a DTensor) equals training without the recorder
+    clipped with clip_grad_norm_, bit for bit (tests/spike_ranks.py)."""
+    assert_replayed_on_every_rank(measured["spike_fsdp2"], WORLD)
