@@ -34,7 +34,8 @@ from gradscope.recorder.replay import ranks
 from spike_ranks import assert_replayed_on_every_rank, spike_replay_on_every_rank
 
 WORLD, D, MAX_NORM = 4, 16, 0.5
-LAYOUTS = ("tp", "fsdp_tp", "hsdp")
+LAYOUTS = ("tp", "fsdp_tp", "hsdp", "3d_replicate", "3d_shard")
+MESHES_3D = {"3d_replicate": (2, 1, 2), "3d_shard": (1, 2, 2)}  # (replicate, shard, tp): HSDP over TP
 MODELS = ("mlp", "llama")
 QUANTITIES = [*ALL_QUANTITIES, *SIGNAL_QUANTITIES]  # every built-in that reads a step
 KEY = ["stack", "layer", "site", "quantity", "layer_j", "role"]
@@ -94,14 +95,19 @@ def _parallel(model: nn.Module, blocks: list[nn.Module], plan: dict, layout: str
         for block in blocks:
             fully_shard(block, mesh=mesh)
         return fully_shard(model, mesh=mesh)
-    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if layout in MESHES_3D:
+        mesh = init_device_mesh("cpu", MESHES_3D[layout], mesh_dim_names=("replicate", "shard", "tp"))
+        dp = mesh["replicate", "shard"]
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        dp = mesh["dp"]
     styles = {"col": ColwiseParallel, "row": RowwiseParallel}
     for block in blocks:
         parallelize_module(block, mesh["tp"], {name: styles[s]() for name, s in plan.items()})
-    if layout == "fsdp_tp":
+    if layout != "tp":
         for block in blocks:
-            fully_shard(block, mesh=mesh["dp"])
-        fully_shard(model, mesh=mesh["dp"])
+            fully_shard(block, mesh=dp)
+        fully_shard(model, mesh=dp)
     return model
 
 
@@ -171,6 +177,7 @@ def _one_layout(layout: str, name: str) -> dict:
         "keys_only_here": sorted(map(str, set(rows.index) - set(reference.index))),
         "keys_only_single": sorted({(k[2], k[3]) for k in set(reference.index) - set(rows.index)}),
         "unread_attention": recorded["unread_attention"],
+        "placements": sorted({str(p.placements) for p in recorded["model"].parameters() if hasattr(p, "placements")}),
         "worst": worst,
         "groups": sorted(groups.index),
         "worst_group": worst_group,
@@ -237,6 +244,8 @@ def test_grad_norm_is_the_total_norm_and_training_is_bit_identical(measured, lay
     clip_grad_norm_'s own, bit for bit; clipped with it, training equals training without the
     recorder, bit for bit."""
     found = measured[f"{layout}/{name}"]
+    if layout in MESHES_3D:  # (a tensor-parallel weight: replicated, FSDP-sharded and TP-sharded)
+        assert any(p.count(",") == 2 and "Replicate" in p and "Shard" in p for p in found["placements"]), found
     assert found["grad_norm_rel"] <= 1e-6, found
     assert found["grad_norm_is_clip_grad_norm"] is (True if layout == "hsdp" else None), found
     assert found["same"], found
