@@ -355,6 +355,20 @@ def test_demo_outside_torchrun_says_how_to_launch(monkeypatch):
         distributed_demo.main(["--steps", "1"])
 
 
+def test_gpu_check_has_help_and_says_how_to_launch(monkeypatch, capsys):
+    """benchmarks/cuda_dist_check.py (for a GPU machine; its CPU path is tests/test_distributed_meshes.py's
+    checks): it imports, --help lists its layouts, and outside torchrun it says how to launch."""
+    from benchmarks import cuda_dist_check
+
+    with pytest.raises(SystemExit) as exit_help:
+        cuda_dist_check.main(["--help"])
+    assert exit_help.value.code == 0 and "hsdp_tp" in capsys.readouterr().out
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit):
+        cuda_dist_check.main(["--device", "cpu"])
+    assert "torchrun --nproc-per-node 4 -m benchmarks.cuda_dist_check" in capsys.readouterr().err
+
+
 def test_a_spike_on_one_rank_is_replayed_on_every_rank(ranks_out):
     """DDP, 2 ranks, rank 0's loss ×1e3 at one step: both ranks flag it from the ranks' mean
     (one all_reduce of the watch's two numbers) and replay it; each rank's replayed rows equal
