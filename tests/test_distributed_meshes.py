@@ -13,6 +13,7 @@ rank 0 writes what it measured, and the tests read it."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -189,6 +190,61 @@ def _one_layout(layout: str, name: str) -> dict:
     }
 
 
+def _sequence_parallel() -> dict:
+    """The MLP stack with sequence parallelism on the ``tp`` dimension (SequenceParallel norms
+    and head, the residual stream a slice of the sequence on each rank), one clipped SGD step
+    recorded and one without, against a single-process copy on the whole sequence."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+    x = torch.randn(4, 6, D, generator=torch.Generator().manual_seed(1))
+    mine = x.chunk(2, dim=1)[mesh.get_local_rank()]  # (B, T/2, D)
+    runs = []
+    for recorded in (True, False):
+        torch.manual_seed(0)
+        model = Net()
+        for block in model.layers:
+            parallelize_module(block, mesh, {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                                             "down": RowwiseParallel(output_layouts=Shard(1))})
+        parallelize_module(model, mesh, {"head": SequenceParallel()})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            quantities = ["param_grad_norm", "act_grad_norm", "act_norm", "ln_gain"]
+            rec = gradscope.Recorder(model, quantities=quantities) if recorded else None
+            with rec.step(0) if recorded else contextlib.nullcontext():
+                _head_out(model, mine).full_tensor().square().mean().backward()
+        params = list(model.parameters())
+        norm = ranks.total_grad_norm([p.grad for p in params])
+        torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, norm, foreach=False)
+        opt.step()
+        runs.append((model, rec.frame() if recorded else None, caught))
+    torch.manual_seed(0)
+    single = Net()
+    single(x).backward()
+    (model, df, caught), (plain, _, _) = runs
+    grads = {n: p.grad for n, p in single.named_parameters()}
+    groups = df[df.quantity == "param_grad_norm"].set_index("site").value
+    said = [str(w.message) for w in caught if "passed on a DTensor" in str(w.message)]
+    return {
+        "worst_group": max(abs(v / math.sqrt(sum(float(g.double().square().sum()) for n, g in grads.items()
+                                                 if not s or n.startswith(f"{s}."))) - 1) for s, v in groups.items()),
+        "groups": sorted(groups.index),
+        "sites": sorted(set(df[df.quantity != "param_grad_norm"].site)),
+        "warned": said,
+        "same": all(torch.equal(_local(p), _local(q)) for p, q in zip(model.parameters(), plain.parameters())),
+    }
+
+
+def _head_out(model: Net, x: torch.Tensor) -> torch.Tensor:
+    """Net's forward up to its head (the loss is taken on the head's DTensor output)."""
+    for block in model.layers:
+        x = block(x)
+    return model.head(x)
+
+
 def _worker(rank: int, port: int, out: str) -> None:
     if sys.platform == "linux":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -196,6 +252,7 @@ def _worker(rank: int, port: int, out: str) -> None:
                             timeout=timedelta(seconds=120))
     try:
         found = {f"{layout}/{name}": _one_layout(layout, name) for layout in LAYOUTS for name in MODELS}
+        found["sp"] = _sequence_parallel()
         found["spike_fsdp2"] = spike_replay_on_every_rank("fsdp2")
         if rank == 0:
             with open(out, "w") as f:
@@ -264,6 +321,20 @@ def test_attention_split_over_tensor_parallel_ranks_is_left_out_with_a_warning_n
     else:
         assert found["unread_attention"] == attention, found
         assert found["keys_only_single"] == [[s, q] for s in attention for q in ("attn_entropy", "attn_logit_max")], found
+
+
+def test_sequence_parallel_activations_are_left_out_with_a_warning_naming_them(measured):
+    """SequenceParallel norms pass on DTensors sharded on the sequence: those sites are left out
+    (no crash, no rows) and one warning names them; parameter-group norms still equal the
+    single-process run's (1e-6), and training is bit-identical with the recorder."""
+    found = measured["sp"]
+    assert found["worst_group"] <= 1e-6 and {"", "layers.0.norm", "head"} <= set(found["groups"]), found
+    assert len(found["warned"]) == 1, found["warned"]
+    for name in ("layers.0.norm.in", "layers.0.norm.out", "layers.1.norm"):
+        assert f"'{name}'" in found["warned"][0], found["warned"]
+    assert "Shard(dim=1)" in found["warned"][0]
+    assert not {s for s in found["sites"] if ".norm" in s}, found["sites"]
+    assert found["same"]
 
 
 def test_a_spike_on_one_rank_is_replayed_on_every_rank_under_fsdp2(measured):
