@@ -73,5 +73,7 @@ def mean_over_ranks(values: torch.Tensor) -> torch.Tensor:
     if n == 1:
         return values
     values = values.clone()
+    if values.device.type == "cpu" and dist.get_backend() == "nccl":  # (a step without gradients: a norm made on the host)
+        values = values.to(torch.device("cuda", torch.cuda.current_device()))
     dist.all_reduce(values, op=dist.ReduceOp.SUM)
     return values / n
