@@ -1,5 +1,5 @@
 """Spike replay across ranks, run inside the multi-process spawns of ``test_distributed.py``
-(DDP, 2 ranks) and ``test_distributed_meshes.py`` (FSDP2, 4 ranks); not collected itself.
+(DDP, 2 ranks) and ``test_distributed_meshes.py`` (FSDP2 and HSDP, 4 ranks); not collected itself.
 
 On every rank: the zoo model (dropout 0.1, its own dropout seed per rank) trained with Adam and
 gradient clipping on the rank's own batches, rank 0's loss ×1e3 at one step only, three times
@@ -35,12 +35,16 @@ OPTIONS = ReplayOptions(window=16, min_history=8)
 def _wrap(model: torch.nn.Module, layout: str) -> torch.nn.Module:
     if layout == "ddp":
         return torch.nn.parallel.DistributedDataParallel(model)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    mesh = None  # fsdp2: the world's 1-D mesh; hsdp: replicate × shard
+    if layout == "hsdp":
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
     for stack in model.stacks().values():
         for layer in stack.layers:
-            fully_shard(layer)
-    return fully_shard(model)
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
 
 
 def _value(norm: torch.Tensor) -> torch.Tensor:
@@ -82,7 +86,7 @@ def _rows(df, step: int):
 
 
 def spike_replay_on_every_rank(layout: str) -> list[dict]:
-    """Runs the three trainings on this rank under ``layout`` ("ddp" or "fsdp2"); returns every
+    """Runs the three trainings on this rank under ``layout`` ("ddp", "fsdp2" or "hsdp"); returns every
     rank's report (the same list on every rank: one ``all_gather_object``)."""
     rank = dist.get_rank()
     data = batches(n=STEPS, seed=100 + rank)  # each rank its own batches

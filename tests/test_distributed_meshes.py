@@ -254,6 +254,7 @@ def _worker(rank: int, port: int, out: str) -> None:
         found = {f"{layout}/{name}": _one_layout(layout, name) for layout in LAYOUTS for name in MODELS}
         found["sp"] = _sequence_parallel()
         found["spike_fsdp2"] = spike_replay_on_every_rank("fsdp2")
+        found["spike_hsdp"] = spike_replay_on_every_rank("hsdp")
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(found, f)
@@ -343,3 +344,8 @@ def test_a_spike_on_one_rank_is_replayed_on_every_rank_under_fsdp2(measured):
     training clipped with rec.grad_norm (a DTensor) equals training without the recorder
     clipped with clip_grad_norm_, bit for bit (tests/spike_ranks.py)."""
     assert_replayed_on_every_rank(measured["spike_fsdp2"], WORLD)
+
+
+def test_a_spike_on_one_rank_is_replayed_on_every_rank_under_hsdp(measured):
+    """The same under HSDP (2 replicas × 2 shards): rec.grad_norm is a DTensor on the 2-D mesh."""
+    assert_replayed_on_every_rank(measured["spike_hsdp"], WORLD)
