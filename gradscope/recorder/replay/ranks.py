@@ -42,6 +42,8 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
     """
     if not grads:
         return torch.zeros(())
+    if all(type(g) is torch.Tensor for g in grads):  # (no DTensor: the usual case, read at every step)
+        return torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
     by_mesh: dict = {}  # in order of first use: the same on every rank (a set's order is not), so are the collectives
     for g in grads:
         by_mesh.setdefault(g.device_mesh if _is_dtensor(g) else None, []).append(g)
