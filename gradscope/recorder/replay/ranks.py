@@ -24,9 +24,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-
-def _is_dtensor(t: torch.Tensor) -> bool:
-    return hasattr(t, "device_mesh") and hasattr(t, "full_tensor")
+from gradscope.recorder.capture.params import is_dtensor
 
 
 def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -46,7 +44,7 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
         return torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
     by_mesh: dict = {}  # in order of first use: the same on every rank (a set's order is not), so are the collectives
     for g in grads:
-        by_mesh.setdefault(g.device_mesh if _is_dtensor(g) else None, []).append(g)
+        by_mesh.setdefault(g.device_mesh if is_dtensor(g) else None, []).append(g)
     if len(by_mesh) == 1:
         return torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
     norms = [plain(torch.nn.utils.get_total_norm(part, 2.0, error_if_nonfinite=False, foreach=None))
@@ -57,7 +55,7 @@ def total_grad_norm(grads: list[torch.Tensor]) -> torch.Tensor:
 
 def plain(norm: torch.Tensor) -> torch.Tensor:
     """The value of a 0-d norm as a plain tensor (a DTensor's full tensor: collective if Partial)."""
-    return norm.full_tensor() if _is_dtensor(norm) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm
 
 
 def world_size() -> int:
