@@ -31,6 +31,7 @@ import gradscope
 from gradscope.distributed import gather_frame, global_act_grad_norms, global_rows
 from gradscope.table import make_frame
 from recorder_ref import assert_rel, site_gradients
+from spike_ranks import assert_replayed_on_every_rank, spike_replay_on_every_rank
 
 WORLD, B, LR = 2, 4, 0.1  # world size, global batch (2 rows per rank), SGD step of update_ratio
 MODES = ("ddp", "fsdp2")
@@ -61,13 +62,15 @@ def _worker(rank: int, port: int, out: str) -> None:
         counts = {mode: _train_one_step(mode, rank, out) for mode in MODES}
         for steps_before in (0, 1):
             _recorder_made_before_fully_shard_passes_on_no_view(rank, steps_before)
-        _spike_watch_refused()
+        spike = spike_replay_on_every_rank("ddp")
         placements = _placement_norms(rank)
         if rank == 0:
             with open(os.path.join(out, "all_reduce_calls.json"), "w") as f:
                 json.dump(counts, f)
             with open(os.path.join(out, "placements.json"), "w") as f:
                 json.dump(placements, f)
+            with open(os.path.join(out, "spike.json"), "w") as f:
+                json.dump(spike, f)
         dist.barrier()  # rank 0 hosts the store: no rank may still use it when rank 0 leaves
     finally:
         dist.destroy_process_group()
@@ -167,18 +170,6 @@ def _recorder_made_before_fully_shard_passes_on_no_view(rank: int, steps_before:
     assert len(grads) > 0 and np.isfinite(grads).all(), steps_before
 
 
-def _spike_watch_refused() -> None:
-    """``on_spike`` in a group of several ranks raises (each rank would watch its own loss, and
-    a rank replaying alone would wait in a collective): not a hang."""
-    model, _, _ = model_and_batch()
-    try:
-        gradscope.Recorder(model, on_spike="replay")
-    except ValueError as e:
-        assert "not supported under torch.distributed (2 ranks)" in str(e), str(e)
-    else:
-        raise AssertionError("Recorder(on_spike='replay') under 2 ranks did not raise")
-
-
 def placement_tensors(rank: int) -> dict[str, torch.Tensor]:
     """Full tensors (the same on every rank), and rank ``rank``'s addend of the Partial one."""
     g = torch.Generator().manual_seed(2)
@@ -216,6 +207,7 @@ def ranks_out(tmp_path_factory):
     tables = {m: gradscope.load(out / f"{m}.parquet") for m in MODES}
     tables["fsdp2_early"] = gradscope.load(out / "fsdp2_early.parquet")
     tables["placements"] = json.loads((out / "placements.json").read_text())
+    tables["spike"] = json.loads((out / "spike.json").read_text())
     return tables, json.loads((out / "all_reduce_calls.json").read_text())
 
 
@@ -361,3 +353,25 @@ def test_demo_outside_torchrun_says_how_to_launch(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(SystemExit, match="torchrun --nproc-per-node 2 -m gradscope.distributed_demo"):
         distributed_demo.main(["--steps", "1"])
+
+
+def test_gpu_check_has_help_and_says_how_to_launch(monkeypatch, capsys):
+    """benchmarks/cuda_dist_check.py (for a GPU machine; its CPU path is tests/test_distributed_meshes.py's
+    checks): it imports, --help lists its layouts, and outside torchrun it says how to launch."""
+    from benchmarks import cuda_dist_check
+
+    with pytest.raises(SystemExit) as exit_help:
+        cuda_dist_check.main(["--help"])
+    assert exit_help.value.code == 0 and "hsdp_tp" in capsys.readouterr().out
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(SystemExit):
+        cuda_dist_check.main(["--device", "cpu"])
+    assert "torchrun --nproc-per-node 4 -m benchmarks.cuda_dist_check" in capsys.readouterr().err
+
+
+def test_a_spike_on_one_rank_is_replayed_on_every_rank(ranks_out):
+    """DDP, 2 ranks, rank 0's loss ×1e3 at one step: both ranks flag it from the ranks' mean
+    (one all_reduce of the watch's two numbers) and replay it; each rank's replayed rows equal
+    its always-recording run's to 1e-6; training clipped with rec.grad_norm equals training
+    without the recorder clipped with clip_grad_norm_, bit for bit (tests/spike_ranks.py)."""
+    assert_replayed_on_every_rank(ranks_out[0]["spike"], WORLD)

@@ -272,7 +272,8 @@ class AttentionSignals:
             return
         if q.numel() != B * T * a.heads * a.head_dim or k.numel() != B * S * a.kv_heads * a.head_dim:
             self.unread[i] = (f"its q {tuple(q.shape)} and k {tuple(k.shape)} do not split into {a.heads} and "
-                              f"{a.kv_heads} heads of {a.head_dim}")
+                              f"{a.kv_heads} heads of {a.head_dim} (a tensor-parallel plan that gives each rank some "
+                              "of its heads, or a projection of another shape)")
             return
         q = q.reshape(B, T, a.heads, a.head_dim)
         k = k.reshape(B, S, a.kv_heads, a.head_dim)

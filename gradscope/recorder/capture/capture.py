@@ -68,6 +68,7 @@ class Capture:
         self.after_backward: Callable[[], None] | None = None  # told at the end of each backward of a recorded step
         self.grad_forwards = 0  # forwards of the open recorded step that ran with grad enabled
         self.forwards = 0  # forwards of the open recorded step, with grad or without
+        self.sharded: dict[str, str] = {}  # sites and norms whose value was a DTensor (left out): name -> placements
         self.device: torch.device | None = None
         self.collector: torch.Tensor | None = None
         self.first_calls: torch.Tensor | None = None  # the collector's slots of first calls (Capture.traced_slot)
@@ -292,6 +293,12 @@ class Capture:
         """``out`` (the tapped ``t``), noted: the next site often receives this very tensor."""
         self._eager_writer.passed_on(t, out)
         return out
+
+    def left_out_sharded(self, i: int, t: torch.Tensor) -> None:
+        """Site (or norm, ``i`` past the sites) ``i`` passed on a DTensor (sequence parallelism):
+        it is left out, and named at the step's end (:meth:`StepChecks.sharded`)."""
+        name = self.sites[i].name if i < len(self.sites) else self.layout.norms[i - len(self.sites)].name
+        self.sharded.setdefault(name, str(tuple(t.placements)))
 
     def observe(self, i: int, t: torch.Tensor, module_args: tuple, flags: int) -> torch.Tensor | None:
         """Statistics of one site value; returns the tapped value (or None to keep it).

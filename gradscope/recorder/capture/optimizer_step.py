@@ -10,7 +10,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from gradscope.recorder.capture.params import ParamGroups
+from gradscope.recorder.capture.params import ParamGroups, is_dtensor
 from gradscope.table.keys import Key
 
 
@@ -106,7 +106,11 @@ class OptimizerStepHooks:
             return
         now = [p.detach() for p in self.groups.params]
         if len(now) == len(self._before):
-            delta = self.groups.group_norms(torch._foreach_sub(now, self._before))
+            if any(map(is_dtensor, now)):  # (foreach ops refuse DTensors beside plain tensors or over several meshes)
+                diff = [a - b for a, b in zip(now, self._before)]
+            else:
+                diff = torch._foreach_sub(now, self._before)
+            delta = self.groups.group_norms(diff)
             base = self.groups.group_norms(self._before)
             delta, base = torch.stack([delta, base]).cpu().double().numpy()  # (one transfer)
             owned = {id(p) for group in optimizer.param_groups for p in group["params"]}

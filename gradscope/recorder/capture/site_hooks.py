@@ -15,6 +15,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import torch
+
+from gradscope.recorder.capture.params import is_dtensor
 from gradscope.recorder.capture.taps import first_tensor, main_input, replace_first
 from gradscope.recorder.numerics.norm_stats import NORM_KINDS
 
@@ -60,6 +63,8 @@ def _output_hook(tag: int, module, args, kwargs, output):
     t = first_tensor(output)
     if t is None or not t.is_floating_point():
         return None
+    if type(t) is not torch.Tensor and is_dtensor(t):  # (sequence parallelism: a slice of the sequence per rank)
+        return cap.left_out_sharded(tag & _MASK, t)
     new = cap.observe(tag & _MASK, t, (args, kwargs), tag >> _FLAGS & 255)
     return None if new is None else replace_first(output, new)
 
@@ -72,6 +77,8 @@ def _input_hook(tag: int, module, args, kwargs):
     if found is None:
         return None
     where, t = found
+    if type(t) is not torch.Tensor and is_dtensor(t):
+        return cap.left_out_sharded(tag & _MASK, t)
     new = cap.observe(tag & _MASK, t, ((), {}), tag >> _FLAGS & 255)
     if new is None:
         return None
@@ -84,6 +91,9 @@ def _norm_hook(tag: int, module, args, kwargs, output):
     cap = _LIVE.get(tag >> _SHIFT)
     if cap is None or not cap.on:
         return None
+    y = first_tensor(output)
+    if y is not None and type(y) is not torch.Tensor and is_dtensor(y):
+        return cap.left_out_sharded(len(cap.sites) + (tag & _MASK), y)
     return cap.observe_norm(module, args, kwargs, output, tag & _MASK, NORM_KINDS[tag >> _FLAGS & 255])
 
 

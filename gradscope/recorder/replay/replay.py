@@ -31,6 +31,10 @@ a ``replay_mismatch`` row (value: the larger relative difference), rows kept.
 
 Only references to what the closure captures are held, and only during ``rec.run``: a loop
 that refills its batch tensors in place must hand the closure a copy.
+
+Under ``torch.distributed`` the two numbers are averaged over the ranks before the rule
+reads them (one ``all_reduce``), so every rank takes the same decision and all replay the
+step together (:mod:`.ranks`).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ from torch import nn
 
 from gradscope.recorder.capture.params import ParamGroups
 from gradscope.recorder.quantities.spike import SIGMAS, WINDOW, SpikeDetector
+from gradscope.recorder.replay import ranks
 from gradscope.table.keys import model_key
 
 ON_SPIKE: tuple[str, ...] = ("replay",)
@@ -85,9 +90,7 @@ def replay_options(on_spike: str | ReplayOptions | None) -> ReplayOptions | None
     """The options of ``Recorder(on_spike=...)``, or None (no watch).
 
     Raises:
-        ValueError: naming the bad value and the valid ones; or a watch asked for in a
-            process group of several ranks (not supported: each rank would watch its own
-            loss, and a replay that one rank alone runs waits in a collective for good).
+        ValueError: naming the bad value and the valid ones.
     """
     if on_spike is None:
         return None
@@ -98,12 +101,6 @@ def replay_options(on_spike: str | ReplayOptions | None) -> ReplayOptions | None
     else:
         raise ValueError(f"on_spike: must be one of {[*ON_SPIKE, None]} or a gradscope.ReplayOptions, "
                          f"got {on_spike!r}")
-    dist = torch.distributed
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        raise ValueError(f"on_spike={on_spike!r}: not supported under torch.distributed ({dist.get_world_size()} ranks): "
-                         "each rank watches its own loss, so the ranks would not agree on a replay, and a rank "
-                         "replaying alone would wait in a collective the others never join; use on_spike=None and "
-                         "record on a schedule (every=)")
     return options
 
 
@@ -180,11 +177,9 @@ class RngStates:
 
 
 def total_grad_norm(params: list[nn.Parameter]) -> torch.Tensor:
-    """‖g‖₂ over every parameter that has a gradient (``clip_grad_norm_``'s reduction)."""
-    grads = [p.grad for p in params if p.grad is not None]
-    if not grads:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(grads, 2.0, error_if_nonfinite=False, foreach=None)
+    """‖g‖₂ over every parameter that has a gradient (``clip_grad_norm_``'s reduction; over
+    DTensor gradients on several meshes, :func:`.ranks.total_grad_norm`'s)."""
+    return ranks.total_grad_norm([p.grad for p in params if p.grad is not None])
 
 
 class Recording(Protocol):
@@ -249,20 +244,23 @@ class SpikeReplay:
         self._rng = RngStates()
 
     def _values(self, loss) -> tuple[torch.Tensor, torch.Tensor]:
+        """‖g‖ (a DTensor when ``clip_grad_norm_``'s is one) and the two numbers the watch
+        judges: the loss and ‖g‖, each averaged over the ranks (one ``all_reduce``)."""
         norm = total_grad_norm(self.params)
         scale = self.grad_scale()
-        watched = norm / scale.to(norm.device) if scale is not None else norm
+        watched = ranks.plain(norm) / scale.to(norm.device) if scale is not None else norm
+        norm = ranks.plain(watched)
         if isinstance(loss, torch.Tensor) and loss.numel() != 1:
             raise TypeError(f"Recorder.run: the closure must return the step's loss (a 0-d tensor or a number), got a "
                             f"tensor of shape {tuple(loss.shape)} (reduce it, e.g. loss.mean(), as backward() needs)")
         if isinstance(loss, torch.Tensor):
-            value = loss.detach().float().reshape(()).to(norm.device)
+            value = ranks.plain(loss.detach()).float().reshape(()).to(norm.device)  # (a DTensor under loss_parallel)
         elif isinstance(loss, (int, float)):
             value = torch.tensor(float(loss), device=norm.device)
         else:
             raise TypeError(f"Recorder.run: the closure must return the step's loss (a 0-d tensor or a number), "
                             f"got {type(loss).__name__}")
-        return watched, torch.stack([value, watched.float()])
+        return watched, ranks.mean_over_ranks(torch.stack([value, norm.float()]))
 
     def after(self, step: int, loss, rerun: Callable[[], object], *, recorded: bool, log_loss: bool) -> Reading:
         """Watches the step just run; replays it when it spiked and was not recorded.

@@ -177,6 +177,14 @@ class StepChecks:
                     "capture: under torch.compile the capture sees no backward given inputs= (loss.backward(inputs=...)), "
                     "so that backward gives them no rows; run it without inputs= to record them")
 
+    def sharded(self, placements: dict[str, str]) -> None:
+        """Names (once each) the sites and norms whose value was a DTensor, left out."""
+        shown = sorted({p for n, p in placements.items() if n not in self.warned})
+        self._names(set(placements), f"passed on a DTensor (placements {', '.join(shown)}: sequence parallelism, "
+                    "each rank holding a slice of the sequence), so they are left out: no rows (act_norm, "
+                    "act_grad_norm, ln_gain, ...). Between such modules the slices travel as plain tensors, which "
+                    "the recorder cannot tell from whole ones: rows at those sites are each rank's, of its slice")
+
     def _names(self, norms: set[str], why: str) -> None:
         """One warning naming every norm of ``norms`` not named before, and ``why``."""
         new = sorted(norms - self.warned)

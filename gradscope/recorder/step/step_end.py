@@ -72,6 +72,8 @@ class StepEnd:
         capture = self.capture
         with no_autocast(capture.device):  # leaving the step inside autocast must not lower precision
             snapshots, calls = capture.end()
+            if capture.sharded:
+                self.checks.sharded(capture.sharded)
             scale = self.scaler_watch.step_scale()  # (the backward's: scaler.update() may have run since)
             if scale is not None:
                 buffer.add(model_key(SCALE), scale)
