@@ -14,6 +14,7 @@ from __future__ import annotations
 from gradscope.recorder.quantities.built_in import (ActGradNorm, ActNorm, Cosine, DlclWeight, Logged, LnGain, Lr,
                                                     NonFinite, ParamGradNorm, Replay, ScaleNormG, Spike, UpdateRatio,
                                                     WOverSigma)
+from gradscope.recorder.quantities.outliers import ActAbsMax, ActKurtosis, MassiveActCount
 from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.quantities.signal_quantities import (
     AttnEntropy,
@@ -35,6 +36,7 @@ REGISTRY: dict[str, Quantity] = {
         Logged("val_loss", "the validation loss the loop logs (rec.log('val_loss', v, step=...))"),
         AttnLogitMax(), AttnEntropy(), OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
         Spike(), Replay(),
+        ActAbsMax(), ActKurtosis(), MassiveActCount(),
     )
 }
 """Quantity name -> the built-in quantity. The one source of the quantity names, presets,
@@ -48,12 +50,15 @@ DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain",
 ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", "spike")
 SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "output_logit_log_z_max", "sublayer_out_rms",
                      "grad_rms_over_eps")  # signals before instability (gradscope.recorder.capture.signals)
+OUTLIER_QUANTITIES = ("act_abs_max", "act_kurtosis", "massive_act_count")  # gradscope.recorder.quantities.outliers
+ALL_QUANTITIES += OUTLIER_QUANTITIES
 QUANTITY_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES,
-                                       "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
+                                       "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES,
+                                       "outliers": DEFAULT_QUANTITIES + OUTLIER_QUANTITIES}
 
 
 def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
-    """The Recorder's quantities, by name: a preset (``"default"``, ``"all"``, ``"signals"``)
+    """The Recorder's quantities, by name: a preset (:data:`QUANTITY_SETS`)
     or a list of built-in names (:data:`REGISTRY`) and :class:`Quantity` instances.
 
     Raises:
@@ -67,7 +72,7 @@ def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
                              f"{list(REGISTRY)} and gradscope.Quantity instances")
         quantities = QUANTITY_SETS[quantities]
     if not isinstance(quantities, (tuple, list)):
-        raise ValueError(f"quantities: 'default', 'all', 'signals' or a list of names from {sorted(REGISTRY)} and "
+        raise ValueError(f"quantities: a preset {sorted(QUANTITY_SETS)} or a list of names from {sorted(REGISTRY)} and "
                          f"gradscope.Quantity instances; got {quantities!r}")
     if not quantities:
         raise ValueError(f"quantities: an empty list; give a preset ({sorted(QUANTITY_SETS)}) or names from {sorted(REGISTRY)}")
