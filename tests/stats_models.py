@@ -45,34 +45,34 @@ class NanoGPT(nn.Module):
 class Encoder(nn.Module):
     """torch.nn.TransformerEncoder under an embedding and a head."""
 
-    def __init__(self, vocab: int = VOCAB, d: int = D) -> None:
+    def __init__(self, vocab: int = VOCAB, d: int = D, n: int = 2) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, d)
         layer = nn.TransformerEncoderLayer(d, 2, 2 * d, dropout=0.0, batch_first=True)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # (enable_nested_tensor with norm_first: not used in training)
-            self.encoder = nn.TransformerEncoder(layer, 2)
+            self.encoder = nn.TransformerEncoder(layer, n)
         self.head = nn.Linear(d, vocab)
 
     def forward(self, idx):
         return self.head(self.encoder(self.embed(idx)))
 
 
-def hf(kind: str) -> nn.Module:
-    """A tiny HF model from its config (random weights, dropout off)."""
+def hf(kind: str, n: int = 2) -> nn.Module:
+    """A tiny HF model of ``n`` layers from its config (random weights, dropout off)."""
     import transformers as T
 
     if kind == "gpt2":
-        cfg = T.GPT2Config(n_embd=D, n_layer=2, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
+        cfg = T.GPT2Config(n_embd=D, n_layer=n, n_head=2, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0,
                            embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
         return T.GPT2LMHeadModel(cfg)
     if kind == "llama":
-        cfg = T.LlamaConfig(hidden_size=D, intermediate_size=2 * D, num_hidden_layers=2, num_attention_heads=2,
+        cfg = T.LlamaConfig(hidden_size=D, intermediate_size=2 * D, num_hidden_layers=n, num_attention_heads=2,
                             num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=16, bos_token_id=0,
                             eos_token_id=0, pad_token_id=0)
         return T.LlamaForCausalLM(cfg)
     if kind == "bert":
-        cfg = T.BertConfig(hidden_size=D, num_hidden_layers=2, num_attention_heads=2, intermediate_size=2 * D,
+        cfg = T.BertConfig(hidden_size=D, num_hidden_layers=n, num_attention_heads=2, intermediate_size=2 * D,
                            vocab_size=VOCAB, max_position_embeddings=16, hidden_dropout_prob=0.0,
                            attention_probs_dropout_prob=0.0)
         return T.BertForMaskedLM(cfg)
@@ -82,8 +82,9 @@ def hf(kind: str) -> nn.Module:
 MODELS = ("nanogpt", "encoder", "gpt2", "llama", "bert")
 
 
-def build(kind: str) -> nn.Module:
-    return NanoGPT() if kind == "nanogpt" else Encoder() if kind == "encoder" else hf(kind)
+def build(kind: str, layers: int = 2) -> nn.Module:
+    """Model ``kind`` (:data:`MODELS`) of ``layers`` layers (compiled tests take 1: less to compile)."""
+    return NanoGPT(n=layers) if kind == "nanogpt" else Encoder(n=layers) if kind == "encoder" else hf(kind, layers)
 
 
 def embedding(model: nn.Module) -> nn.Embedding:

@@ -16,6 +16,8 @@ from gradscope.recorder.quantities.built_in import (ActGradNorm, ActNorm, Cosine
                                                     WOverSigma)
 from gradscope.recorder.quantities.outliers import ActAbsMax, ActKurtosis, MassiveActCount
 from gradscope.recorder.quantities.quantity import Quantity
+from gradscope.recorder.quantities.weights import (AdamVSqrtMax, AdamVSqrtMean, ParamNorm, ParamRms, SpectralNorm,
+                                                   StableRank, UpdateRms)
 from gradscope.recorder.quantities.signal_quantities import (
     AttnEntropy,
     AttnLogitMax,
@@ -37,6 +39,7 @@ REGISTRY: dict[str, Quantity] = {
         AttnLogitMax(), AttnEntropy(), OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
         Spike(), Replay(),
         ActAbsMax(), ActKurtosis(), MassiveActCount(),
+        ParamNorm(), ParamRms(), UpdateRms(), AdamVSqrtMean(), AdamVSqrtMax(), SpectralNorm(), StableRank(),
     )
 }
 """Quantity name -> the built-in quantity. The one source of the quantity names, presets,
@@ -51,10 +54,13 @@ ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight
 SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "output_logit_log_z_max", "sublayer_out_rms",
                      "grad_rms_over_eps")  # signals before instability (gradscope.recorder.capture.signals)
 OUTLIER_QUANTITIES = ("act_abs_max", "act_kurtosis", "massive_act_count")  # gradscope.recorder.quantities.outliers
-ALL_QUANTITIES += OUTLIER_QUANTITIES
+WEIGHT_QUANTITIES = ("param_norm", "param_rms", "update_rms", "adam_v_sqrt_mean", "adam_v_sqrt_max", "spectral_norm",
+                     "stable_rank")  # gradscope.recorder.quantities.weights
+ALL_QUANTITIES += OUTLIER_QUANTITIES + WEIGHT_QUANTITIES
 QUANTITY_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES,
                                        "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES,
-                                       "outliers": DEFAULT_QUANTITIES + OUTLIER_QUANTITIES}
+                                       "outliers": DEFAULT_QUANTITIES + OUTLIER_QUANTITIES,
+                                       "weights": DEFAULT_QUANTITIES + WEIGHT_QUANTITIES}
 
 
 def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
