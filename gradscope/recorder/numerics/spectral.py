@@ -12,41 +12,37 @@ apart, slow when they nearly tie (then σ̂ is close to σ₁ anyway, being a mi
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
 
-_VECTORS: dict[int, torch.Tensor] = {}  # id(parameter) -> its right singular vector estimate (dropped with it)
 
-
-def _start(p: torch.Tensor, n: int) -> torch.Tensor:
+def _start(n: int, device: torch.device) -> torch.Tensor:
     """A fixed start vector of length n (its own generator: the user's RNG is not drawn from)."""
     g = torch.Generator().manual_seed(n)
     v = torch.randn(n, generator=g, dtype=torch.float32)
-    weakref.finalize(p, _VECTORS.pop, id(p), None)
-    return F.normalize(v, dim=0).to(p.device)
+    return F.normalize(v, dim=0).to(device)
 
 
-def spectral_norm_estimate(p: torch.Tensor, w: torch.Tensor, iterations: int) -> torch.Tensor:
+def spectral_norm_estimate(vectors: dict[str, torch.Tensor], name: str, w: torch.Tensor, iterations: int) -> torch.Tensor:
     """σ̂, a 0-d fp32 tensor on ``w``'s device: ``iterations`` power iterations on the 2-D
-    matrix ``w`` (detached), starting from the vector kept for parameter ``p`` (a fixed
-    random one the first time), which is then kept for the next call.
+    matrix ``w`` (detached), starting from ``vectors[name]`` (a fixed random vector the first
+    time, or when ``w``'s shape or device changed), which then holds the next start.
 
     Args:
-        p: the parameter the vector belongs to (its identity keys the kept vector).
-        w: its value as a 2-D matrix (for a plain parameter, ``p`` itself).
+        vectors: the kept vectors (one Recorder's, so two Recorders never share a history).
+        name: the matrix's name in ``vectors`` (its parameter's).
+        w: the matrix.
         iterations: power iterations this call (≥ 1).
     """
     w = w.detach().float()
-    v = _VECTORS.get(id(p))
+    v = vectors.get(name)
     if v is None or v.shape[0] != w.shape[1] or v.device != w.device:
-        v = _start(p, w.shape[1])
+        v = _start(w.shape[1], w.device)
     u = F.normalize(w @ v, dim=0)
     for _ in range(iterations - 1):
         v = F.normalize(w.T @ u, dim=0)
         u = F.normalize(w @ v, dim=0)
     wu = w.T @ u
     sigma = wu.norm()
-    _VECTORS[id(p)] = F.normalize(wu, dim=0)
+    vectors[name] = F.normalize(wu, dim=0)
     return sigma

@@ -29,6 +29,15 @@ from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.table.keys import Key
 
 
+def elements(h: torch.Tensor) -> torch.Tensor:
+    """The elements of ``h`` as one flat fp32 vector (detached); of a nested tensor
+    (``nn.TransformerEncoder``'s fast path with a padding mask) its real tokens only."""
+    h = h.detach()
+    if h.is_nested:
+        return torch.cat([x.flatten() for x in h.unbind()]).float()
+    return h.flatten().float()
+
+
 class _SiteStatistic(Quantity):
     """A statistic of the tensor crossing each site: nothing to measure without sites."""
 
@@ -46,7 +55,7 @@ class ActAbsMax(_SiteStatistic):
     over_micro_steps = across_ranks = "max"
 
     def site_value(self, h):
-        return h.detach().abs().amax().float()
+        return elements(h).abs().amax()
 
 
 class MassiveActCount(_SiteStatistic):
@@ -71,8 +80,8 @@ class MassiveActCount(_SiteStatistic):
     relative = 1000.0  # and above this many times the median |h|
 
     def site_value(self, h):
-        a = h.detach().abs().float()
-        median = a.flatten().median()
+        a = elements(h).abs()
+        median = a.median()
         return ((a > self.absolute) & (a > self.relative * median)).sum().float()
 
 
@@ -123,7 +132,7 @@ class ActKurtosis(_SiteStatistic):
     site_value_size = 5
 
     def site_value(self, h):
-        x = h.detach().float().flatten()
+        x = elements(h)
         mean = x.mean()
         d = x - mean
         d2 = d * d
@@ -135,7 +144,7 @@ class ActKurtosis(_SiteStatistic):
 
     def rows(self, data):
         values = data.user_values.get(self.name)
-        if values is None:
+        if values is None or data.micro_steps == 0:
             return []
         slots = data.slots()
         seen = data.value_called[:, slots]

@@ -56,7 +56,9 @@ SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "ou
 OUTLIER_QUANTITIES = ("act_abs_max", "act_kurtosis", "massive_act_count")  # gradscope.recorder.quantities.outliers
 WEIGHT_QUANTITIES = ("param_norm", "param_rms", "update_rms", "adam_v_sqrt_mean", "adam_v_sqrt_max", "spectral_norm",
                      "stable_rank")  # gradscope.recorder.quantities.weights
-ALL_QUANTITIES += OUTLIER_QUANTITIES + WEIGHT_QUANTITIES
+# "all" takes the outliers; not the weights: param_norm would add an all_reduce per recorded step under FSDP2,
+# and spectral_norm's estimate depends on the slow steps before it (a replayed step would read another)
+ALL_QUANTITIES += OUTLIER_QUANTITIES
 QUANTITY_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES,
                                        "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES,
                                        "outliers": DEFAULT_QUANTITIES + OUTLIER_QUANTITIES,

@@ -16,6 +16,7 @@ DTensors out, with a warning (a shard's moments or singular values are not the t
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -113,7 +114,7 @@ class AdamVSqrtMean(Quantity):
 
     name, across_ranks, which = "adam_v_sqrt_mean", "shared", 0
     description = ("mean of √v over a parameter group, v = Adam's exp_avg_sq in optimizer.state (no bias correction), "
-                   "as the previous optimizer.step() left it")
+                   "as the previous optimizer.step() left it (needs Recorder(optimizer=...))")
     paper = "Kingma & Ba 2015 (v); Levanter's and Composer's optimizer monitors"
 
     def collect(self, ctx):
@@ -137,9 +138,7 @@ def _adam_v_stats(ctx) -> tuple[list[Key], torch.Tensor] | None:
         return ctx._cache["adam_v"]
     ctx._cache["adam_v"] = None
     opt = stepping_optimizer(ctx.optimizer) if ctx.optimizer is not None else None
-    if opt is None:
-        ctx.warn_once("adam_v_no_optimizer", "adam_v_sqrt_mean/max read the optimizer's state: give the Recorder the "
-                      "optimizer (Recorder(model, optimizer=opt)); until then they have no rows")
+    if opt is None:  # (as update_ratio: no optimizer given, no rows; the description says it needs one)
         return None
     params = ctx.groups.params
     states = [opt.state.get(p) for p in params]
@@ -209,11 +208,16 @@ class StableRank(SpectralNorm):
             ctx.add_many([k._replace(quantity=self.name) for k in keys], frobenius_sq / sigma.square())
 
 
+_VECTORS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""A Recorder's capture -> parameter name -> the power iteration's right singular vector."""
+
+
 def _spectra(ctx, iterations: int) -> tuple[list[Key], torch.Tensor | None, torch.Tensor | None]:
     """(keys, σ̂, ‖W‖_F²) of the 2-D parameters, once per step (spectral_norm and stable_rank share it)."""
     if "spectra" in ctx._cache:
         return ctx._cache["spectra"]
     keys, sigmas, squares, sharded = [], [], [], []
+    vectors = _VECTORS.setdefault(ctx.capture, {})  # (this Recorder's: its capture lives as long as it)
     for name, p in zip(ctx.groups.names, ctx.groups.params):
         if p.dim() != 2:
             continue
@@ -226,7 +230,7 @@ def _spectra(ctx, iterations: int) -> tuple[list[Key], torch.Tensor | None, torc
         owner = name.rpartition(".")[0]
         stack, layer = position(ctx.layout, owner)
         keys.append(Key(-1, stack, layer, name, "spectral_norm", None, ""))
-        sigmas.append(spectral_norm_estimate(p, w, iterations))
+        sigmas.append(spectral_norm_estimate(vectors, name, w, iterations))
         squares.append(w.float().square().sum())
     if sharded:
         ctx.warn_once("spectral_sharded", f"spectral_norm/stable_rank: {sharded[:3]} are sharded DTensors, left out "
