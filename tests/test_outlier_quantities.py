@@ -146,3 +146,27 @@ def test_the_default_set_takes_no_outlier_statistic():
         loss_of(model, torch.randint(0, VOCAB, (2, 6))).backward()
     rec.close()
     assert not {"act_abs_max", "act_kurtosis", "massive_act_count"} & set(rec.frame().quantity)
+
+
+def test_a_site_value_of_several_numbers_needs_its_own_rows_and_the_right_size():
+    class TwoNumbers(gradscope.Quantity):
+        name, site_value_size = "act_two_numbers", 2
+
+        def site_value(self, h):
+            return torch.stack([h.amax(), h.amin()])
+
+    class Wrong(TwoNumbers):
+        def rows(self, data):
+            return []
+
+        def site_value(self, h):
+            return h.amax()
+
+    model = build("nanogpt")
+    with pytest.raises(ValueError, match="TwoNumbers.site_value_size is 2"):
+        gradscope.Recorder(model, quantities=[TwoNumbers()])
+    rec = gradscope.Recorder(model, quantities=[Wrong()])
+    with pytest.raises(TypeError, match=r"Wrong.site_value at site .*: must return a tensor of 2 numbers"):
+        with rec.step(0):
+            loss_of(model, torch.randint(0, VOCAB, (2, 6))).backward()
+    rec.close()
