@@ -78,7 +78,7 @@ from benchmarks.overhead_methods import (
     plain,
     set_methods,
 )
-from gradscope.recorder.quantities.registry import QUANTITY_SETS
+from gradscope.recorder.quantities.registry import QUANTITY_SETS, resolve_quantities
 
 PLAIN = "plain step (ms; the reference)"
 
@@ -241,8 +241,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time compiled steps, torch.compile(fullgraph=True) (default: on; --no-compile: eager only)")
     parser.add_argument("--only", nargs="*", default=None, help="substrings of method names to run (default: all)")
-    parser.add_argument("--sets", nargs="*", default=[], choices=sorted(QUANTITY_SETS),
-                        help="also time gradscope with each of these quantity presets (e.g. outliers weights)")
+    parser.add_argument("--sets", nargs="*", default=[],
+                        help="also time gradscope with each of these quantity presets (e.g. outliers weights), or "
+                             "comma-separated lists of quantity names (act_abs_max,act_kurtosis)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time gradscope with one quantity at a time (where the cost is)")
     parser.add_argument("--twin", action="store_true",
@@ -256,6 +257,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "work, drop out of both sides (benchmarks/allocator.py); default: as the process starts "
                              "(default: steady)")
     args = parser.parse_args(argv)
+    for name in args.sets:
+        try:
+            resolve_quantities(name if name in QUANTITY_SETS else name.split(","))
+        except ValueError as e:
+            parser.error(f"--sets {name}: {e}")
     if args.warmup < 2:
         parser.error("--warmup must be at least 2 (a recorded and an unrecorded step before timing)")
     if args.pairs < 1:

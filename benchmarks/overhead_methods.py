@@ -343,8 +343,10 @@ BREAKDOWN = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "ln_w_ov
 
 
 def set_methods(sets: list[str]) -> list[Method]:
-    """gradscope with each named preset (``--sets outliers weights``: issue 52's opt-in sets)."""
-    return [Method(f"gradscope {name} (quantities={name!r})", with_recorder(name), records=True) for name in sets]
+    """gradscope with each named preset (``--sets outliers weights``: issue 52's opt-in sets) or
+    comma-separated list of quantity names (``act_abs_max,act_kurtosis``)."""
+    return [Method(f"gradscope {name} (quantities={name!r})", with_recorder(name if "," not in name else name.split(",")),
+                   records=True) for name in sets]
 
 
 def breakdown_methods() -> list[Method]:
