@@ -13,6 +13,7 @@ than the work, otherwise move a 205 ms step by ±5 ms on either side.
     python -m benchmarks.overhead --depths 12 --pairs 10   # the 6+6 reference only
     python -m benchmarks.overhead --depths 12 --pairs 30 --device cuda
     python -m benchmarks.overhead --depths 12 --no-compile --breakdown --only gradscope   # cost per quantity
+    python -m benchmarks.overhead --depths 12 --sets outliers weights --only default outliers weights   # opt-in sets
     python -m benchmarks.overhead --depths 12 --d-model 16 --batch-size 2 --length 5 --pairs 200   # host cost
 
 Compiled column: each model copy is compiled once with ``torch.compile(fullgraph=True)``
@@ -75,7 +76,9 @@ from benchmarks.overhead_methods import (
     make_model,
     make_optimizer,
     plain,
+    set_methods,
 )
+from gradscope.recorder.quantities.registry import QUANTITY_SETS, resolve_quantities
 
 PLAIN = "plain step (ms; the reference)"
 
@@ -238,6 +241,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="also time compiled steps, torch.compile(fullgraph=True) (default: on; --no-compile: eager only)")
     parser.add_argument("--only", nargs="*", default=None, help="substrings of method names to run (default: all)")
+    parser.add_argument("--sets", nargs="*", default=[],
+                        help="also time gradscope with each of these quantity presets (e.g. outliers weights), or "
+                             "comma-separated lists of quantity names (act_abs_max,act_kurtosis)")
     parser.add_argument("--breakdown", action="store_true",
                         help="also time gradscope with one quantity at a time (where the cost is)")
     parser.add_argument("--twin", action="store_true",
@@ -251,6 +257,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "work, drop out of both sides (benchmarks/allocator.py); default: as the process starts "
                              "(default: steady)")
     args = parser.parse_args(argv)
+    for name in args.sets:
+        try:
+            resolve_quantities(name if name in QUANTITY_SETS else name.split(","))
+        except ValueError as e:
+            parser.error(f"--sets {name}: {e}")
     if args.warmup < 2:
         parser.error("--warmup must be at least 2 (a recorded and an unrecorded step before timing)")
     if args.pairs < 1:
@@ -263,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     torch._dynamo.config.cache_size_limit = args.recompile_limit
     torch._dynamo.config.accumulated_cache_size_limit = max(256, 8 * args.recompile_limit)
-    methods = METHODS + (breakdown_methods() if args.breakdown else [])
+    methods = METHODS + set_methods(args.sets) + (breakdown_methods() if args.breakdown else [])
     if args.only:
         methods = [m for m in methods if any(o in m.name for o in args.only)]
     modes = [False, True] if args.compile else [False]

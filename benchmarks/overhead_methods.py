@@ -342,6 +342,13 @@ METHODS: list[Method] = [
 BREAKDOWN = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "ln_w_over_sigma", "nonfinite")
 
 
+def set_methods(sets: list[str]) -> list[Method]:
+    """gradscope with each named preset (``--sets outliers weights``: issue 52's opt-in sets) or
+    comma-separated list of quantity names (``act_abs_max,act_kurtosis``)."""
+    return [Method(f"gradscope {name} (quantities={name!r})", with_recorder(name if "," not in name else name.split(",")),
+                   records=True) for name in sets]
+
+
 def breakdown_methods() -> list[Method]:
     """gradscope with one quantity at a time (where the cost is; rows share fixed costs)."""
     return [Method(f"gradscope {q} only", with_recorder([q]), records=True) for q in BREAKDOWN]

@@ -54,7 +54,7 @@ def test_the_docs_quantity_reference_is_generated_from_the_registry():
     for name, q in REGISTRY.items():
         assert f"### {name}\n" in made and q.description in made, name
     slow = [n for n, q in REGISTRY.items() if q.slow]
-    assert slow == ["cosine", "update_ratio"] and "every × slow_every" in made
+    assert slow == ["cosine", "update_ratio", "update_rms", "spectral_norm", "stable_rank"] and "every × slow_every" in made
 
 
 def test_the_docs_user_quantity_example_runs(capsys):

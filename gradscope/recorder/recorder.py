@@ -23,7 +23,7 @@ from gradscope.recorder.capture.compile_settings import DynamoSettings
 from gradscope.recorder.capture.cosine_rows import token_masks
 from gradscope.recorder.capture.params import ParamGroups
 from gradscope.recorder.capture.scaler_watch import ScalerWatch
-from gradscope.recorder.capture.optimizer_step import OptimizerStepHooks
+from gradscope.recorder.capture.optimizer_step import UPDATE_QUANTITIES, OptimizerStepHooks, update_rows
 from gradscope.recorder.discovery.layout import find_layout
 from gradscope.recorder.discovery.wrappers import unwrap
 from gradscope.recorder.numerics.collectives import dist_rank
@@ -151,7 +151,7 @@ class Recorder:
         self._late = LateRows(self._out, end.rows)  # a step's rows are built later (rows/late_rows.py)
         late, warn, quantities = self._late, self._checks.warn_once, self._quantities  # (hooks that hold no Recorder)
         self._updates = OptimizerStepHooks(
-            self.groups, lambda u: late.rows(u.step, *quantities["update_ratio"].update_rows(u, warn)), warn)
+            self.groups, lambda u: late.rows(u.step, *update_rows(quantities, u, warn)), warn)
         self._session = StepSession(capture=self._capture, checks=self._checks, late=self._late, outlet=self._out,
                                     updates=self._updates, scaler_watch=self._scaler_watch, end=end,
                                     quantities=self._quantities, named=named, every=every, slow_every=slow_every,
@@ -176,7 +176,7 @@ class Recorder:
         self.optimizer = optimizer
         self._scaler_watch.attach(optimizer)
         self._updates.remove()
-        if "update_ratio" in self.quantities or "lr" in self.quantities or self._watching:  # (lr: the one an update inside the step used)
+        if UPDATE_QUANTITIES & set(self.quantities) or "lr" in self.quantities or self._watching:  # (lr: the one an update used)
             self._updates.attach(optimizer)
 
     # -- the step context ----------------------------------------------------------------

@@ -15,7 +15,7 @@ from gradscope.recorder.capture.capture import Capture
 from gradscope.recorder.capture.compile_settings import DonationOff
 from gradscope.recorder.capture.scaler_watch import ScalerWatch
 from gradscope.recorder.capture.step_buffer import StepBuffer
-from gradscope.recorder.capture.optimizer_step import OptimizerStepHooks
+from gradscope.recorder.capture.optimizer_step import UPDATE_QUANTITIES, OptimizerStepHooks
 from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.rows.late_rows import LateRows
 from gradscope.recorder.rows.outlet import Outlet
@@ -68,12 +68,14 @@ class StepSession:
         self.late.begin(step)
         slow = replay or step % (self.every * self.slow_every) == 0
         self.wants = {n for n, q in self.quantities.items() if slow or not q.slow}
-        if "update_ratio" in self.wants and optimizer is not None:
+        if UPDATE_QUANTITIES & self.wants and optimizer is not None:
             self.updates.open(step)  # the next optimizer.step(), inside the step or after it
-        elif "update_ratio" in self.wants and "update_ratio" in self.named:
-            self.checks.warn_once("update_ratio", "update_ratio is measured around optimizer.step(): give the "
+        elif UPDATE_QUANTITIES & self.wants & set(self.named):
+            asked = sorted(UPDATE_QUANTITIES & self.wants & set(self.named))
+            self.checks.warn_once("update_ratio", f"{' and '.join(asked)} {'is' if len(asked) == 1 else 'are'} measured "
+                                  "around optimizer.step(): give the "
                                   "Recorder the optimizer (Recorder(model, optimizer=opt), or rec.attach_optimizer(opt)); "
-                                  "until then it has no rows")
+                                  "until then no rows")
         captures = set().union(*(self.quantities[q].captures for q in self.wants))
         stats = any(n in self.wants for n in self.step_end.value_stats + self.step_end.grad_stats)
         self.buffer = StepBuffer()

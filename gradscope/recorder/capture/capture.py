@@ -34,7 +34,7 @@ class Capture:
         max_calls: slots per site for a module called several times per forward.
         token_masks: callable (args, kwargs) -> {stack: (B, T) bool} for ``cosine`` weights.
         value_stats: user statistics of a site's forward value (quantities' ``site_value``):
-            forward-buffer channel ``FIRST_USER + k``.
+            forward-buffer channels from ``FIRST_USER`` on, ``site_value_size`` of them each.
         grad_stats: user statistics of a site's gradient (``site_grad``): collector slots
             ``slot + (k + 1)·n_taps``.
     """
@@ -50,7 +50,8 @@ class Capture:
         self.sites = list(layout.sites)
         self.n_taps = len(self.sites) * max_calls
         self.value_stats, self.grad_stats = tuple(value_stats), tuple(grad_stats)
-        self.width = FIRST_USER + len(self.value_stats)  # forward-buffer channels
+        self.value_sizes = tuple(getattr(getattr(f, "__self__", None), "site_value_size", 1) for f in self.value_stats)
+        self.width = FIRST_USER + sum(self.value_sizes)  # forward-buffer channels
         self.n_collector = self.n_taps * (1 + len(self.grad_stats))
         self.stats_now = False  # user statistics are taken in the open step
         self.grad_stats_now: tuple = ()
@@ -319,8 +320,12 @@ class Capture:
             if self.want_value:
                 w.value(slot, t)
             if self.stats_now:
-                for k, f in enumerate(self.value_stats):
-                    w.put(slot, FIRST_USER + k, statistic(f, t.detach(), f"site {self.sites[i].name!r}"))
+                channel = FIRST_USER
+                for f, n in zip(self.value_stats, self.value_sizes):
+                    v = statistic(f, t.detach(), f"site {self.sites[i].name!r}", size=n)
+                    for j in range(n):
+                        w.put(slot, channel + j, v if n == 1 else v[j])
+                    channel += n
             if self.want_cosine and c == 0:
                 self.cosine.sample(self.sites[i].name, t)
         if not (grad and flags & TAPPED):

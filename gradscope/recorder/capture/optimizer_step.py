@@ -1,5 +1,5 @@
 """The Recorder's optimizer step hooks: the update of a recorded step (‖Δθ‖ and ‖θ‖ per
-parameter group around ``optimizer.step()``, for ``update_ratio``), the ``lr`` that a step
+parameter group around ``optimizer.step()``, for ``update_ratio`` and ``update_rms``), the ``lr`` that a step
 inside the recorded step used, and how many steps began (``Recorder.run``'s check)."""
 
 from __future__ import annotations
@@ -14,6 +14,10 @@ from gradscope.recorder.capture.params import ParamGroups, is_dtensor
 from gradscope.table.keys import Key
 
 
+UPDATE_QUANTITIES = frozenset({"update_ratio", "update_rms"})
+"""The quantities measured by these hooks (their classes make rows with ``update_rows``)."""
+
+
 class Update(NamedTuple):
     """One measured update of a recorded step, per parameter group (``groups.keys`` order)."""
 
@@ -23,6 +27,7 @@ class Update(NamedTuple):
     base: np.ndarray  # ‖θ‖ before the update
     elsewhere: np.ndarray  # bool: the group holds trainable parameters the optimizer does not step
     populated: list[bool]  # the group has parameters
+    sizes: np.ndarray | None = None  # elements in each group (update_rms)
 
 
 class OptimizerStepHooks:
@@ -117,8 +122,21 @@ class OptimizerStepHooks:
             others = [p.requires_grad and id(p) not in owned for p in self.groups.params]
             elsewhere = np.asarray(self.groups.any_member(others)) if any(others) else np.zeros(len(base), dtype=bool)
             self.emit(Update(self.pending, self.groups.keys("update_ratio"), delta, base, elsewhere,
-                             list(self.groups.populated)))
+                             list(self.groups.populated), self.groups.host_sums([p.numel() for p in now])))
         self.pending, self._before = None, None
+
+
+def update_rows(quantities: dict, update: Update, warn: Callable[[str, str], None]) -> tuple[list[Key], np.ndarray]:
+    """The rows of one measured update for every quantity that makes them (``update_ratio``,
+    ``update_rms``), in the Recorder's order."""
+    keys: list[Key] = []
+    values = []
+    for q in quantities.values():
+        if hasattr(q, "update_rows"):
+            k, v = q.update_rows(update, warn)
+            keys += k
+            values.append(np.asarray(v, dtype=np.float64))
+    return keys, np.concatenate(values) if values else np.zeros(0)
 
 
 def stepping_optimizer(optimizer) -> torch.optim.Optimizer | None:

@@ -136,21 +136,23 @@ def main_input(args: tuple, kwargs: dict) -> tuple[str | int, torch.Tensor] | No
     return None
 
 
-def statistic(f, t: torch.Tensor, where: str | Callable[[], str] = "a site") -> torch.Tensor:
-    """``f(t)`` (a quantity's ``site_value`` or ``site_grad``) as a 0-d fp32 tensor.
+def statistic(f, t: torch.Tensor, where: str | Callable[[], str] = "a site", size: int = 1) -> torch.Tensor:
+    """``f(t)`` (a quantity's ``site_value`` or ``site_grad``) as a 0-d fp32 tensor (``size``
+    > 1: a 1-d one of ``size`` numbers, a ``site_value`` whose quantity sets ``site_value_size``).
 
     ``where`` names the site in an error: a string, or a function that makes it (called only
     then, so a hook in backward builds no string per site).
 
     Raises:
         TypeError: naming the quantity, the method and ``where``, when it is not a
-            one-element tensor.
+            tensor of ``size`` elements.
     """
     v = f(t)
-    if not isinstance(v, torch.Tensor) or v.numel() != 1:
+    if not isinstance(v, torch.Tensor) or v.numel() != size:
         q = getattr(f, "__self__", None)
         got = f"a tensor of shape {tuple(v.shape)}" if isinstance(v, torch.Tensor) else f"a {type(v).__name__}"
         where = where if isinstance(where, str) else where()
-        raise TypeError(f"{type(q).__name__}.{getattr(f, '__name__', 'statistic')} at {where}: must return a 0-d "
-                        f"tensor (one number per site and call, from tensor ops), got {got}")
-    return v.float().reshape(())
+        want = "a 0-d tensor (one number" if size == 1 else f"a tensor of {size} numbers (site_value_size"
+        raise TypeError(f"{type(q).__name__}.{getattr(f, '__name__', 'statistic')} at {where}: must return "
+                        f"{want} per site and call, from tensor ops), got {got}")
+    return v.float().reshape(() if size == 1 else (size,))

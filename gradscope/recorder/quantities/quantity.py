@@ -85,6 +85,9 @@ class Quantity:
             (a step where that is not known gets no rows of it, and a warning).
         taken: when its rows are written, for the quantity reference, when that is not the
             schedule's (``""``: every recorded step, or every ``slow_every``-th for a slow one).
+        site_value_size: how many numbers :meth:`site_value` returns (1: a 0-d tensor); a
+            quantity that returns several (moments to combine exactly, as ``act_kurtosis``)
+            writes its own :meth:`rows`, and reads ``data.user_values[name]`` as (M, taps, size).
     """
 
     name: ClassVar[str] = ""
@@ -100,6 +103,7 @@ class Quantity:
     logged: ClassVar[bool] = False
     reads_param_grads: ClassVar[bool] = False
     taken: ClassVar[str] = ""
+    site_value_size: ClassVar[int] = 1
 
     # -- per site, inside the graph --------------------------------------------------------
     def site_value(self, h: torch.Tensor) -> torch.Tensor | None:
@@ -189,6 +193,12 @@ class Quantity:
         bad = sorted(set(self.captures) - set(CAPTURES))
         if bad:
             raise ValueError(f"{kind}.captures: unknown {bad}; valid: {list(CAPTURES)}")
+        size = self.site_value_size
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"{kind}.site_value_size: a positive int (numbers site_value returns), got {size!r}")
+        if size > 1 and type(self).rows is Quantity.rows:
+            raise ValueError(f"{kind}.site_value_size is {size}: its site_value returns {size} numbers per site, "
+                             "which the default rows() cannot tell apart: write rows() to combine them")
         if self.across_ranks not in RANK_RULES:
             raise ValueError(f"{kind}.across_ranks: {self.across_ranks!r}; valid: {list(RANK_RULES)}")
         if self.over_micro_steps not in COMBINE:

@@ -14,7 +14,10 @@ from __future__ import annotations
 from gradscope.recorder.quantities.built_in import (ActGradNorm, ActNorm, Cosine, DlclWeight, Logged, LnGain, Lr,
                                                     NonFinite, ParamGradNorm, Replay, ScaleNormG, Spike, UpdateRatio,
                                                     WOverSigma)
+from gradscope.recorder.quantities.outliers import ActAbsMax, ActKurtosis, MassiveActCount
 from gradscope.recorder.quantities.quantity import Quantity
+from gradscope.recorder.quantities.weights import (AdamVSqrtMax, AdamVSqrtMean, ParamNorm, ParamRms, SpectralNorm,
+                                                   StableRank, UpdateRms)
 from gradscope.recorder.quantities.signal_quantities import (
     AttnEntropy,
     AttnLogitMax,
@@ -38,6 +41,8 @@ REGISTRY: dict[str, Quantity] = {
         AttnLogitMax(), AttnEntropy(), AttnSinkMass(), AttnSoftcapSaturation(),
         OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
         Spike(), Replay(),
+        ActAbsMax(), ActKurtosis(), MassiveActCount(),
+        ParamNorm(), ParamRms(), UpdateRms(), AdamVSqrtMean(), AdamVSqrtMax(), SpectralNorm(), StableRank(),
     )
 }
 """Quantity name -> the built-in quantity. The one source of the quantity names, presets,
@@ -52,12 +57,20 @@ ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight
 # signals before instability (gradscope.recorder.capture.signals)
 SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "attn_sink_mass", "attn_softcap_saturation", "output_logit_log_z",
                      "output_logit_log_z_max", "sublayer_out_rms", "grad_rms_over_eps")
+OUTLIER_QUANTITIES = ("act_abs_max", "act_kurtosis", "massive_act_count")  # gradscope.recorder.quantities.outliers
+WEIGHT_QUANTITIES = ("param_norm", "param_rms", "update_rms", "adam_v_sqrt_mean", "adam_v_sqrt_max", "spectral_norm",
+                     "stable_rank")  # gradscope.recorder.quantities.weights
+# "all" (snapshot's default) costs what it did: the new sets are asked for by name. The outliers would double a
+# step at d=256 (massive_act_count's median), param_norm adds an all_reduce per recorded step under FSDP2, and
+# spectral_norm's estimate depends on the slow steps before it (a replayed step would read another value).
 QUANTITY_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES,
-                                       "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
+                                       "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES,
+                                       "outliers": DEFAULT_QUANTITIES + OUTLIER_QUANTITIES,
+                                       "weights": DEFAULT_QUANTITIES + WEIGHT_QUANTITIES}
 
 
 def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
-    """The Recorder's quantities, by name: a preset (``"default"``, ``"all"``, ``"signals"``)
+    """The Recorder's quantities, by name: a preset (:data:`QUANTITY_SETS`)
     or a list of built-in names (:data:`REGISTRY`) and :class:`Quantity` instances.
 
     Raises:
@@ -71,7 +84,7 @@ def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
                              f"{list(REGISTRY)} and gradscope.Quantity instances")
         quantities = QUANTITY_SETS[quantities]
     if not isinstance(quantities, (tuple, list)):
-        raise ValueError(f"quantities: 'default', 'all', 'signals' or a list of names from {sorted(REGISTRY)} and "
+        raise ValueError(f"quantities: a preset {sorted(QUANTITY_SETS)} or a list of names from {sorted(REGISTRY)} and "
                          f"gradscope.Quantity instances; got {quantities!r}")
     if not quantities:
         raise ValueError(f"quantities: an empty list; give a preset ({sorted(QUANTITY_SETS)}) or names from {sorted(REGISTRY)}")

@@ -153,7 +153,11 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K:
     for i, n in enumerate((call_counts or [])[:len(sites)]):
         if n > K:
             merged[i * K + K - 1] = True
-    user_values = {name: user_fwd[:, :n_taps, k] for k, name in enumerate(value_stats)}
+    user_values, channel = {}, 0  # (M, taps), or (M, taps, size) of a quantity whose site_value_size > 1
+    for name in value_stats:
+        size = getattr(quantities.get(name), "site_value_size", 1)
+        user_values[name] = user_fwd[:, :n_taps, channel] if size == 1 else user_fwd[:, :n_taps, channel:channel + size]
+        channel += size
     user_grads = {name: collector[:, (k + 1) * n_taps:(k + 2) * n_taps] for k, name in enumerate(grad_stats)}
     data = StepData(layout=layout, sites=sites, K=K, grad_sq=grad_sq, arrived=arrived, order=order, value=value,
                     collected=collected, blocks=blocks, unfit=unfit, grad_left_out=grad_left_out, no_backward=no_backward,
