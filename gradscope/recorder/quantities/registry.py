@@ -14,6 +14,7 @@ from __future__ import annotations
 from gradscope.recorder.quantities.built_in import (ActGradNorm, ActNorm, Cosine, DlclWeight, Logged, LnGain, Lr,
                                                     NonFinite, ParamGradNorm, Replay, ScaleNormG, Spike, UpdateRatio,
                                                     WOverSigma)
+from gradscope.recorder.quantities.moe import EXPERTS, ROUTING
 from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.quantities.signal_quantities import (
     AttnEntropy,
@@ -34,7 +35,7 @@ REGISTRY: dict[str, Quantity] = {
         Lr(), NonFinite(), WOverSigma(), Cosine(), DlclWeight(), ScaleNormG(), UpdateRatio(),
         Logged("val_loss", "the validation loss the loop logs (rec.log('val_loss', v, step=...))"),
         AttnLogitMax(), AttnEntropy(), OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
-        Spike(), Replay(),
+        Spike(), Replay(), *ROUTING, *EXPERTS,
     )
 }
 """Quantity name -> the built-in quantity. The one source of the quantity names, presets,
@@ -45,11 +46,15 @@ QUANTITY_NAMES: tuple[str, ...] = tuple(n for q in REGISTRY.values() for n in q.
 
 # -- the quantities a Recorder takes ------------------------------------------------------------
 DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
-ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", "spike")
+ROUTING_QUANTITIES = tuple(q.name for q in ROUTING)  # MoE routing per layer (gradscope.recorder.quantities.moe)
+MOE_QUANTITIES = ROUTING_QUANTITIES + tuple(q.name for q in EXPERTS)  # and per-expert norms (a pass over the experts)
+ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", "spike",
+                                       *ROUTING_QUANTITIES)
 SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "output_logit_log_z", "output_logit_log_z_max", "sublayer_out_rms",
                      "grad_rms_over_eps")  # signals before instability (gradscope.recorder.capture.signals)
 QUANTITY_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES,
-                                       "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES}
+                                       "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES,
+                                       "moe": DEFAULT_QUANTITIES + MOE_QUANTITIES}
 
 
 def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
