@@ -80,6 +80,8 @@ def _nan_unless(ok: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
 
 
 class MoeLoad(_Routing):
+    """c_e / Σ_e c_e per expert: its share of the MoE layer's assignments (Fedus et al. 2022, f_i of Eq. 4)."""
+
     name = "moe_load"
     description = "per expert (layer_j), its share of the MoE layer's token→expert assignments in the step"
 
@@ -89,6 +91,8 @@ class MoeLoad(_Routing):
 
 
 class MoeImbalance(_Routing):
+    """max_e c_e / mean_e c_e: 1 when balanced, E when one expert takes every assignment."""
+
     name = "moe_imbalance"
     description = "max over experts of the assignments over their mean (1: balanced; E: one expert takes all)"
 
@@ -98,6 +102,8 @@ class MoeImbalance(_Routing):
 
 
 class MoeLoadCv(_Routing):
+    """std_e c_e / mean_e c_e, the population coefficient of variation of the load."""
+
     name = "moe_load_cv"
     description = "coefficient of variation of the experts' assignments, std/mean (population std; 0: balanced)"
 
@@ -116,22 +122,30 @@ class _PerToken(_Routing):
 
 
 class RouterEntropy(_PerToken):
+    """Mean over routed tokens of H(softmax(z_t)) in nats (log E: uniform; 0: one expert)."""
+
     name, column = "router_entropy", "entropy"
     description = "mean over routed tokens of the entropy (nats) of softmax(router logits)"
 
 
 class RouterZ(_PerToken):
+    """Mean over routed tokens of logsumexp(z_t)² (Zoph et al. 2022, ST-MoE, Eq. 5)."""
+
     name, column = "router_z", "z"
     description = "mean over routed tokens of logsumexp(router logits)², the router z-loss term"
     paper = "Zoph et al. 2022 (ST-MoE), Eq. 5"
 
 
 class RouterTopkMass(_PerToken):
+    """Mean over routed tokens of the softmax(z_t) mass on the experts chosen for t."""
+
     name, column = "router_topk_mass", "mass"
     description = "mean over routed tokens of the softmax(router logits) mass on the experts the router chose"
 
 
 class MoeDroppedFrac(_Routing):
+    """Assignments dropped by an expert capacity over all assignments (routers with an ``expert_capacity``)."""
+
     name = "moe_dropped_frac"
     description = "share of token→expert assignments dropped by the expert capacity (routers with a capacity only)"
 
@@ -189,6 +203,8 @@ class _PerExpert(Quantity):
 
 
 class ExpertGradNorm(_PerExpert):
+    """‖∂L/∂θ_e‖ per routed expert, over its parameters (fused tensors sliced)."""
+
     name, needs_backward, reads_param_grads = "expert_grad_norm", True, True
     description = "per routed expert (site <experts>.<e>, layer_j e), ‖p.grad‖ over its parameters (fused tensors sliced)"
 
@@ -197,6 +213,8 @@ class ExpertGradNorm(_PerExpert):
 
 
 class ExpertParamNorm(_PerExpert):
+    """‖θ_e‖ per routed expert, over its parameters (fused tensors sliced)."""
+
     name = "expert_param_norm"
     description = "per routed expert (site <experts>.<e>, layer_j e), ‖θ‖ over its parameters (fused tensors sliced)"
 

@@ -58,7 +58,7 @@ QUANTITY_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all
 
 
 def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
-    """The Recorder's quantities, by name: a preset (``"default"``, ``"all"``, ``"signals"``)
+    """The Recorder's quantities, by name: a preset (``"default"``, ``"all"``, ``"signals"``, ``"moe"``)
     or a list of built-in names (:data:`REGISTRY`) and :class:`Quantity` instances.
 
     Raises:
@@ -72,7 +72,7 @@ def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
                              f"{list(REGISTRY)} and gradscope.Quantity instances")
         quantities = QUANTITY_SETS[quantities]
     if not isinstance(quantities, (tuple, list)):
-        raise ValueError(f"quantities: 'default', 'all', 'signals' or a list of names from {sorted(REGISTRY)} and "
+        raise ValueError(f"quantities: a preset {sorted(QUANTITY_SETS)} or a list of names from {sorted(REGISTRY)} and "
                          f"gradscope.Quantity instances; got {quantities!r}")
     if not quantities:
         raise ValueError(f"quantities: an empty list; give a preset ({sorted(QUANTITY_SETS)}) or names from {sorted(REGISTRY)}")
