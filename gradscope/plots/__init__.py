@@ -22,11 +22,13 @@ Multi-panel figures are assembled in ``analyses/``.
 | :func:`layer_heatmap`, :func:`layer_series` | a run over time (``gradscope report``) |
 | :func:`lr_sensitivity`, :func:`signal_over_training` | Wortsman 2023 Fig. 1; signals before instability |
 | :func:`spike_watch`, :func:`replay_profile` | spike replay (issue 26): the watch, and where the gradient jumped |
+| :func:`expert_load`, :func:`routing_series` | mixture of experts: expert load per layer over steps, routing statistics |
 """
 
 from gradscope.plots.curves import depth_sweep, loss_curves, w_over_sigma_curves
 from gradscope.plots.instability import lr_sensitivity, signal_over_training
 from gradscope.plots.matrices import cosine_heatmap, dlcl_column, dlcl_heatmap
+from gradscope.plots.moe import expert_load, routing_series
 from gradscope.plots.over_time import layer_heatmap, layer_series
 from gradscope.plots.profiles import (
     embed_grad_vs_depth,
@@ -49,6 +51,7 @@ __all__ = [
     "dlcl_column",
     "dlcl_heatmap",
     "embed_grad_vs_depth",
+    "expert_load",
     "layer_heatmap",
     "layer_norms",
     "layer_series",
@@ -57,6 +60,7 @@ __all__ = [
     "loss_curves",
     "lr_sensitivity",
     "replay_profile",
+    "routing_series",
     "scalenorm_g",
     "scan_layers",
     "signal_over_training",
