@@ -206,7 +206,7 @@ class ExpertGradNorm(_PerExpert):
     """‖∂L/∂θ_e‖ per routed expert, over its parameters (fused tensors sliced)."""
 
     name, needs_backward, reads_param_grads = "expert_grad_norm", True, True
-    description = "per routed expert (site <experts>.<e>, layer_j e), ‖p.grad‖ over its parameters (fused tensors sliced)"
+    description = "per routed expert e (site: the experts module + '.e', layer_j e), ‖p.grad‖ over its parameters (fused tensors sliced)"
 
     def tensor(self, p):
         return p.grad
@@ -216,7 +216,7 @@ class ExpertParamNorm(_PerExpert):
     """‖θ_e‖ per routed expert, over its parameters (fused tensors sliced)."""
 
     name = "expert_param_norm"
-    description = "per routed expert (site <experts>.<e>, layer_j e), ‖θ‖ over its parameters (fused tensors sliced)"
+    description = "per routed expert e (site: the experts module + '.e', layer_j e), ‖θ‖ over its parameters (fused tensors sliced)"
 
     def tensor(self, p):
         return p
