@@ -6,6 +6,7 @@ the per-expert norms from slices of ``p.grad`` and of the fused 3-D expert tenso
 
 from __future__ import annotations
 
+import contextlib
 import math
 import warnings
 
@@ -246,3 +247,58 @@ def test_default_quantities_take_no_router_hooks():
     rec.close()
     assert rec._capture.routers is None
     assert not rec.frame()["quantity"].isin(["moe_load", "expert_grad_norm"]).any()
+
+
+def test_training_is_bit_identical_and_one_host_read_per_step():
+    """Recording ``moe`` changes no number of the model's training, and a recorded step reads
+    the host at most once more than the same step without the Recorder (transformers'
+    ``batched_mm`` experts read none of their own)."""
+    from tests.test_recorder_host_syncs import counting
+
+    def train(record: bool):
+        model = build("mixtral", layers=2, experts_impl="batched_mm")
+        opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+        rec = gradscope.Recorder(model, quantities="moe", optimizer=opt) if record else None
+        reads, losses = [], []
+        for step in range(3):
+            x = torch.randint(0, V, (B, T), generator=torch.Generator().manual_seed(step))
+            with counting() as seen:
+                with rec.step(step) if rec is not None else contextlib.nullcontext():
+                    loss = model(x, labels=x).loss
+                    loss.backward()
+            reads.append(len(seen))
+            losses.append(loss.detach())
+            opt.step()
+            opt.zero_grad()
+        if rec is not None:
+            rec.close()
+        return [p.detach().clone() for p in model.parameters()], losses, reads
+
+    params, losses, reads = train(True)
+    params0, losses0, reads0 = train(False)
+    assert all(torch.equal(a, b) for a, b in zip(losses, losses0))
+    assert all(torch.equal(a, b) for a, b in zip(params, params0))
+    assert all(r - r0 <= 1 for r, r0 in zip(reads, reads0)), (reads, reads0)
+
+
+class Unreadable(nn.Module):
+    """A declared router that returns its logits only and says nothing of its top-k."""
+
+    gradscope_router = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 3)
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+def test_an_unreadable_router_warns_and_has_no_rows():
+    model = nn.Sequential(nn.LayerNorm(8), Unreadable())
+    rec = gradscope.Recorder(model, quantities=["moe_load", "router_z"])
+    with pytest.warns(UserWarning, match="router '1'.*neither it nor its MoE layer has a top_k"):
+        with rec.step(0):
+            model(torch.randn(4, 8)).sum().backward()
+    rec.close()
+    assert not rec.frame()["quantity"].isin(["moe_load", "router_z"]).any()

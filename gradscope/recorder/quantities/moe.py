@@ -183,7 +183,7 @@ class _PerExpert(Quantity):
     def collect(self, ctx):
         for r, experts, slices in _experts(ctx.model):
             E = r.num_experts
-            sq, seen = None, False
+            fused, listed = [], [[] for _ in range(E)]  # (E,) squares of fused tensors; 0-d squares per listed expert
             for pname, e in slices:
                 t = self.tensor(experts.get_parameter(pname))
                 if t is None:
@@ -193,11 +193,17 @@ class _PerExpert(Quantity):
                                   "no per-expert rows for it")
                     continue
                 t = t.detach().float()
-                part = t.reshape(E, -1).square().sum(dim=1) if e is None else \
-                    torch.zeros(E, device=t.device).index_fill(0, torch.tensor(e, device=t.device), t.square().sum())
-                sq, seen = (part if sq is None else sq + part), True
-            if not seen:
+                if e is None:
+                    fused.append(t.reshape(E, -1).square().sum(dim=1))
+                else:
+                    listed[e].append(t.square().sum())
+            if not fused and not any(listed):
                 continue
+            device = (fused or [x for xs in listed for x in xs])[0].device
+            zero = torch.zeros((), device=device)
+            sq = torch.stack([torch.stack(xs).sum() if xs else zero for xs in listed])  # (experts never reached: 0)
+            for part in fused:
+                sq = sq + part
             stack, layer = position(ctx.layout, r.experts)
             ctx.add_many([Key(-1, stack, layer, f"{r.experts}.{e}", self.name, e, "") for e in range(E)], sq.sqrt())
 
