@@ -302,3 +302,20 @@ def test_an_unreadable_router_warns_and_has_no_rows():
             model(torch.randn(4, 8)).sum().backward()
     rec.close()
     assert not rec.frame()["quantity"].isin(["moe_load", "router_z"]).any()
+
+
+def test_a_capacity_router_of_another_form_warns_not_guesses():
+    """NLLB-MoE routes top-2 with a capacity and returns its combine weights beside its logits
+    (both (..., E) floats): no rows, and a warning, rather than a guess at which is which."""
+    cfg = tf.NllbMoeConfig(vocab_size=V, d_model=16, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                           decoder_attention_heads=2, encoder_ffn_dim=32, decoder_ffn_dim=32, num_experts=4,
+                           expert_capacity=2, encoder_sparse_step=1, decoder_sparse_step=1, max_position_embeddings=32)
+    torch.manual_seed(0)
+    model = tf.NllbMoeForConditionalGeneration(cfg)
+    rec = gradscope.Recorder(model, quantities=["moe_load"])
+    x = torch.randint(4, V, (B, T))
+    with pytest.warns(UserWarning, match="NllbMoeTop2Router.*not Switch Transformers'"):
+        with rec.step(0):
+            model(input_ids=x, labels=x).loss.backward()
+    rec.close()
+    assert not (rec.frame()["quantity"] == "moe_load").any()

@@ -105,9 +105,13 @@ def router_output(r: Router, output) -> tuple[torch.Tensor, torch.Tensor, torch.
     E = r.num_experts
     items = list(output) if isinstance(output, (tuple, list)) else [output]
     tensors = [t for t in items if isinstance(t, torch.Tensor)]
-    logits = next((t for t in tensors if t.is_floating_point() and t.dim() >= 1 and t.shape[-1] == E), None)
-    if logits is None:
+    wide = [t for t in tensors if t.is_floating_point() and t.dim() >= 1 and t.shape[-1] == E]
+    if not wide:
         return f"its output holds no floating tensor of {E} router logits in its last dimension"
+    if r.capacity and len(wide) != 1:  # (NLLB-MoE: top-2 with a capacity, its combine weights beside its logits)
+        return ("it has an expert_capacity but its output is not Switch Transformers' (a dispatch mask, the top-1 "
+                "probability and the logits): which of its tensors are the logits and the dispatch is not known")
+    logits = wide[0]
     logits = logits.detach().reshape(-1, E).float()
     ints = [t for t in tensors if not t.is_floating_point() and t.dim() >= 1 and t.dtype != torch.bool]
     dispatch = None
