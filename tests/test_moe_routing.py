@@ -149,18 +149,23 @@ def test_shared_expert_is_a_group_of_its_own():
         assert set(per_expert["quantity"]) == {"expert_grad_norm", "expert_param_norm"}
 
 
-def test_switch_capacity_drops_are_counted():
+@pytest.mark.parametrize("compiled", [False, True])
+def test_switch_capacity_drops_are_counted(compiled):
     """Switch Transformers: top-1 routing with an expert capacity per sequence; the load counts
-    the router's choices, ``moe_dropped_frac`` those beyond the capacity."""
+    the router's choices, ``moe_dropped_frac`` those beyond the capacity; its experts, a
+    ModuleDict of E MLPs, one expert each. Compiled without fullgraph (its experts' loop over
+    the experts hit breaks the graph, with or without gradscope; the routers compile)."""
     torch.manual_seed(0)
     cfg = tf.SwitchTransformersConfig(vocab_size=V, d_model=16, d_kv=8, d_ff=16, num_layers=2, num_decoder_layers=2,
                                       num_heads=2, num_experts=4, expert_capacity=2, num_sparse_encoder_layers=2,
                                       num_sparse_decoder_layers=2, decoder_start_token_id=0, pad_token_id=0)
     model = tf.SwitchTransformersForConditionalGeneration(cfg)
-    rec = gradscope.Recorder(model, quantities=["moe_load", "moe_dropped_frac", "router_z"])
+    rec = gradscope.Recorder(model, quantities=["moe_load", "moe_dropped_frac", "router_z", "expert_grad_norm"])
     x = torch.randint(1, V, (B, T), generator=torch.Generator().manual_seed(1))
+    torch._dynamo.reset()
+    call = torch.compile(model, backend="aot_eager") if compiled else model
     with rec.step(0):
-        out = model(input_ids=x, labels=x, output_router_logits=True)
+        out = call(input_ids=x, labels=x, output_router_logits=True)
         out.loss.backward()
     rec.close()
     df = rec.frame()
@@ -179,6 +184,11 @@ def test_switch_capacity_drops_are_counted():
         torch.testing.assert_close(recorded(df, "router_z", r.block),
                                    torch.logsumexp(lg, -1).square().mean().reshape(1), rtol=1e-5, atol=1e-6)
         dropped_any |= bool(want > 0)
+        for e, expert in enumerate(model.get_submodule(r.experts).children()):
+            grads = [p.grad.double().norm() for p in expert.parameters() if p.grad is not None]
+            want = torch.stack(grads).norm() if grads else torch.zeros((), dtype=torch.float64)
+            torch.testing.assert_close(recorded(df, "expert_grad_norm", f"{r.experts}.{e}"), want.reshape(1),
+                                       rtol=1e-5, atol=1e-9)
     assert dropped_any  # (the capacity of 2 for 8 tokens over 4 experts drops some)
 
 
