@@ -43,24 +43,26 @@ def main(argv=None) -> None:
     ap.add_argument("--pairs", type=int, default=10, help="order-alternating (plain, recorded) pairs per method")
     ap.add_argument("--warmup", type=int, default=3, help="steps before timing")
     ap.add_argument("--impl", default="eager", help="transformers' experts implementation (eager, batched_mm)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile(fullgraph=True) the model (needs --impl batched_mm)")
     args = ap.parse_args(argv)
     model = build(args.d, args.layers, args.experts, args.impl)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
     x = torch.randint(0, 512, tuple(args.batch), generator=torch.Generator().manual_seed(1))
+    call = torch.compile(model, fullgraph=True) if args.compile else model
 
     def step(rec, s):
         if rec is None:
-            loss = model(x, labels=x).loss
+            loss = call(x, labels=x).loss
             loss.backward()
         else:
             with rec.step(s):
-                loss = model(x, labels=x).loss
+                loss = call(x, labels=x).loss
                 loss.backward()
         opt.step()
         opt.zero_grad()
 
     print(f"Mixtral d={args.d} layers={args.layers} experts={args.experts} top-2, batch {args.batch[0]}x{args.batch[1]}, "
-          f"experts impl {args.impl}, torch threads {torch.get_num_threads()}")
+          f"experts impl {args.impl}, {'compiled' if args.compile else 'eager'}, torch threads {torch.get_num_threads()}")
     plain_ms = []
     for name, quantities in METHODS.items():
         rec = gradscope.Recorder(model, quantities=quantities, optimizer=opt)
