@@ -11,6 +11,7 @@
 | ``convergence`` | Takase 2022 Fig. 1/6/8/9; Xu 2020 Tab. 1/3; Wang 2019 Fig. 3 | deep Post-LN fails; Lipschitz rescues |
 | ``lr_sensitivity`` | Wortsman 2023 Fig. 1, §3.1–3.2 | qk_norm lowers LR sensitivity, keeps attention logits down; z-loss where it acts |
 | ``spike_replay`` | (issue 26: spike replay) | the watch flags a planted spike, nothing else; the replay equals an always-recording run |
+| ``moe_routing`` | (issue 52: MoE routing) | controls: the moe quantities see a router pushed to collapse (imbalance, entropy) |
 | ``scan_agreement`` | (validation of ``gradscope scan``) | the step-0 scan verdict vs. learned/failed of each convergence run |
 
 ``python -m analyses --preset default --out figures`` runs them all in this order, then the
@@ -25,6 +26,6 @@ recording and training a run), :mod:`analyses.outputs` (tables, figures, CLAIMS.
 
 ANALYSES: tuple[str, ...] = (
     "grad_norms", "ln_locations", "residual_shrink", "cosine", "dlcl_weights", "warmup_free", "convergence",
-    "lr_sensitivity", "spike_replay",
+    "lr_sensitivity", "spike_replay", "moe_routing",
 )
 VALIDATIONS: tuple[str, ...] = ("scan_agreement",)  # run after the figures; they read their outputs

@@ -218,7 +218,7 @@ def set_section(rows: pd.DataFrame, names: tuple[str, ...], out: Path, file: str
     """
     import matplotlib.pyplot as plt
 
-    from gradscope.plots.quantity_sets import expert_load, present, quantity_by_site, summary_lines
+    from gradscope.plots.quantity_sets import expert_load_by_layer, present, quantity_by_site, summary_lines
     from gradscope.table.parquet import atomic_write
 
     found = present(rows, names)
@@ -226,7 +226,7 @@ def set_section(rows: pd.DataFrame, names: tuple[str, ...], out: Path, file: str
         return [], None
     fig, axes = plt.subplots(len(found), 1, figsize=(9, 3.2 * len(found)), squeeze=False)
     for ax, quantity in zip(axes[:, 0], found):
-        expert_load(rows, ax=ax, title=title) if quantity == EXPERT_LOAD else quantity_by_site(rows, quantity, ax=ax, title=title)
+        expert_load_by_layer(rows, ax=ax, title=title) if quantity == EXPERT_LOAD else quantity_by_site(rows, quantity, ax=ax, title=title)
     fig.tight_layout()
     path = out / file
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png", dpi=100, bbox_inches="tight"))

@@ -213,6 +213,64 @@ plots.replay_profile(df, step=planted, neighbours=neighbours, ratio=True, ax=axe
 fig.tight_layout()'''),
         ("md", "## In Lightning and the built-in loop\n`GradscopeCallback(on_spike=\"replay\", every=100)` watches every optimizer step and replays a spiking one from the batches it kept (gradient accumulation included); `gradscope.train.train(model, task, config, recorder=rec)` uses `rec.run` itself. See `docs/spike-replay.md`."),
     ],
+    "07_moe_routing": [
+        ("md", "# MoE routing: a healthy run beside one whose routing collapses\n`quantities=\"moe\"` adds, per MoE layer and recorded step, the expert load, its imbalance, the router's entropy and z, the top-k mass (and, with a capacity, the dropped share), and per expert the gradient and weight norms, fused 3-D expert tensors sliced along the expert dimension (docs/moe.md). Routers are found on their own (HF `*TopKRouter`, a `gate` beside `experts`, or `gradscope_router = True` on your own)."),
+        ("code", SETUP),
+        ("md", "## Two tiny Mixtrals, one loop\nThe same seed, weights and batches; only the coefficient of Mixtral's load-balancing loss differs: +0.1 keeps the load even, −0.1 (the same loss with its sign flipped) rewards concentration and makes the routing collapse within a few dozen steps, a stand-in for the slow rich-get-richer drift of a long unbalanced run."),
+        ("code", '''import pandas as pd
+import transformers as tf
+from gradscope.train import make_task
+
+steps, depth = (40, 2) if PRESET == "ci" else (200, 4)
+task = make_task("markov_lm", vocab=32, max_len=12)
+
+def train_mixtral(run, aux):
+    torch.manual_seed(0)
+    cfg = tf.MixtralConfig(vocab_size=32, hidden_size=32, intermediate_size=64, num_hidden_layers=depth,
+                           num_attention_heads=4, num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2,
+                           max_position_embeddings=64, router_aux_loss_coef=aux, output_router_logits=True)
+    model = tf.MixtralForCausalLM(cfg)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3, betas=(0.9, 0.98))
+    rec = gradscope.Recorder(model, optimizer=opt, quantities="moe", every=5, run=run)
+    for step in range(steps):
+        inputs, targets = task.batch("train", step, 32)
+        with rec.step(step):
+            out = model(inputs)
+            lm = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), targets.flatten(), ignore_index=task.pad_id)
+            (lm + aux * out.aux_loss).backward()
+            rec.log("loss", lm)
+        opt.step(); opt.zero_grad()
+    rec.close()
+    return model, rec.frame()
+
+healthy_model, healthy = train_mixtral("healthy", 0.1)
+collapsed_model, collapsed = train_mixtral("collapsing", -0.1)
+df = pd.concat([healthy, collapsed])
+df[df.quantity.str.startswith(("moe", "router", "expert"))].groupby("quantity").size().rename("rows")'''),
+        ("md", "## Expert load per layer over steps\nEach column is one recorded step, each row an expert's share of the layer's token→expert assignments (1/8 is even; 1/2 is the most one expert can take with top-2)."),
+        ("code", '''fig, axes = plt.subplots(1, 2, figsize=(13, 3.8))
+for ax, run in zip(axes, ["healthy", "collapsing"]):
+    plots.expert_load(df, run=run, vmax=0.5, ax=ax, title=f"{run}, preset {PRESET}")
+fig.tight_layout()'''),
+        ("code", '''fig, axes = plt.subplots(1, 3, figsize=(16, 3.8))
+for ax, q in zip(axes, ["moe_imbalance", "router_entropy", "router_z"]):
+    plots.routing_series(df, quantity=q, ax=ax, title=f"preset {PRESET}")
+fig.tight_layout()'''),
+        ("md", "## Per expert\nIn the collapsed run the experts the router stopped choosing get no gradient: their `expert_grad_norm` falls to zero, and their weights (`expert_param_norm`) move only by what Adam's momentum still carries."),
+        ("code", '''last = df.step.max()
+per_expert = df[(df.step == last) & df.quantity.isin(["expert_grad_norm", "expert_param_norm"]) & (df.layer == 1)]
+per_expert.pivot_table(index="layer_j", columns=["quantity", "run"], values="value").round(4)'''),
+        ("md", "## Checked against the model's own router logits\nOne more step of the healthy model with `output_router_logits=True`: the load computed here from the logits' top-2 is the recorded `moe_load`."),
+        ("code", '''inputs, targets = task.batch("train", steps, 32)
+rec = gradscope.Recorder(healthy_model, quantities=["moe_load"])
+with rec.step(0):
+    out = healthy_model(inputs, output_router_logits=True)
+rec.close()
+logits = out.router_logits[0]
+counts = torch.bincount(logits.topk(2, dim=-1).indices.flatten(), minlength=8).double()
+check = rec.frame().query("site == 'model.layers.0.mlp'").sort_values("layer_j")
+pd.DataFrame({"recorded": check.value.to_numpy(), "from the logits": (counts / counts.sum()).numpy()})'''),
+    ],
 }
 
 

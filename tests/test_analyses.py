@@ -119,7 +119,7 @@ def test_paper_preset_plans_the_papers_sizes(name):
     expected = {"grad_norms": {(18, 18), (6, 6), (30, 6)}, "ln_locations": {(18, 18)},
                 "residual_shrink": {(18, 18)}, "cosine": {(6, 6)}, "dlcl_weights": {(30, 6)},
                 "warmup_free": {(6, 6)}, "convergence": {(18, 18), (24, 24), (6, 6)}, "lr_sensitivity": {(6, 6)},
-                "spike_replay": {(6, 6)}}[name]
+                "spike_replay": {(6, 6)}, "moe_routing": {(6, 6)}}[name]
     assert expected <= depths
 
 

@@ -14,7 +14,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 def test_the_notebooks_are_committed():
     assert [p.stem for p in NOTEBOOKS] == ["01_quickstart", "02_post_pre_b2t", "03_huggingface", "04_dlcl_training", "05_long_run",
-                                              "06_spike_replay"]
+                                              "06_spike_replay", "07_moe_routing"]
     for path in NOTEBOOKS:  # committed with outputs, so they read well on a repository page
         nb = nbformat.read(path, as_version=4)
         assert any(cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), path.name

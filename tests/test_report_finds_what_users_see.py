@@ -16,7 +16,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import gradscope  # noqa: E402
-from gradscope.plots.quantity_sets import expert_load, quantity_by_site  # noqa: E402
+from gradscope.plots.quantity_sets import expert_load_by_layer, quantity_by_site  # noqa: E402
 from gradscope.report import report  # noqa: E402
 from gradscope.table import COLUMNS, make_frame  # noqa: E402
 
@@ -98,7 +98,7 @@ def test_moe_and_outlier_panels_draw_the_rows_they_are_given(tmp_path):
     from gradscope.sinks.parquet import to_arrow, write_part
 
     df, load, act_max = _moe_and_outlier_frame(np.random.default_rng(0))
-    ax = expert_load(df)
+    ax = expert_load_by_layer(df)
     np.testing.assert_allclose(ax.collections[0].get_array().reshape(2, 4), load[-1])  # row = MoE layer, column = expert
     plt.close(ax.figure)
     ax = quantity_by_site(df, "act_abs_max")

@@ -20,18 +20,20 @@ Multi-panel figures are assembled in ``analyses/``.
 | :func:`scalenorm_g` | Nguyen & Salazar 2019 |
 | :func:`scan_layers` | ``gradscope scan``'s per-layer profile |
 | :func:`layer_heatmap`, :func:`layer_series` | a run over time (``gradscope report``) |
-| :func:`expert_load`, :func:`quantity_by_site` | the ``moe`` and ``outliers`` sets over a run (``gradscope report``) |
+| :func:`expert_load_by_layer`, :func:`quantity_by_site` | the ``moe`` and ``outliers`` sets at one step (``gradscope report``) |
 | :func:`lr_sensitivity`, :func:`signal_over_training` | Wortsman 2023 Fig. 1; signals before instability |
 | :func:`compile_audit_profile` | ``gradscope.compile_audit``: eager vs compiled, value by value |
 | :func:`spike_watch`, :func:`replay_profile` | spike replay (issue 26): the watch, and where the gradient jumped |
+| :func:`expert_load`, :func:`routing_series` | mixture of experts: expert load per layer over steps, routing statistics |
 """
 
 from gradscope.plots.compile_audit import compile_audit_profile
 from gradscope.plots.curves import depth_sweep, loss_curves, w_over_sigma_curves
 from gradscope.plots.instability import lr_sensitivity, signal_over_training
 from gradscope.plots.matrices import cosine_heatmap, dlcl_column, dlcl_heatmap
+from gradscope.plots.moe import expert_load, routing_series
 from gradscope.plots.over_time import layer_heatmap, layer_series
-from gradscope.plots.quantity_sets import expert_load, quantity_by_site
+from gradscope.plots.quantity_sets import expert_load_by_layer, quantity_by_site
 from gradscope.plots.profiles import (
     embed_grad_vs_depth,
     layer_norms,
@@ -55,6 +57,7 @@ __all__ = [
     "dlcl_heatmap",
     "embed_grad_vs_depth",
     "expert_load",
+    "expert_load_by_layer",
     "layer_heatmap",
     "layer_norms",
     "layer_series",
@@ -64,6 +67,7 @@ __all__ = [
     "lr_sensitivity",
     "quantity_by_site",
     "replay_profile",
+    "routing_series",
     "scalenorm_g",
     "scan_layers",
     "signal_over_training",

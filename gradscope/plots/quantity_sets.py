@@ -85,7 +85,7 @@ def quantity_by_site(df: pd.DataFrame, quantity: str, *, max_lines: int = 6, ax:
     return _style.finish(ax, title, [f"{quantity}: {shown}", "per-head/expert rows: their max" if rows.layer_j.notna().any() else ""])
 
 
-def expert_load(df: pd.DataFrame, *, step: int | None = None, ax: Axes | None = None, title: str | None = None) -> Axes:
+def expert_load_by_layer(df: pd.DataFrame, *, step: int | None = None, ax: Axes | None = None, title: str | None = None) -> Axes:
     """Heatmap of ``moe_load`` at one step: one row per MoE layer, one column per expert.
 
     Args:

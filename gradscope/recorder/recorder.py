@@ -61,8 +61,8 @@ class Recorder:
         quantities: ``"default"`` (norms, ln_gain, loss, lr, nonfinite), ``"all"`` (every
             quantity of the seeds' papers), ``"signals"`` (default plus the signals before
             instability: attention logits and entropy, output log Z, sub-layer RMS, gradient
-            RMS over Adam's ε), or a list of built-in quantity names and
-            :class:`gradscope.Quantity` instances (a user's own quantities).
+            RMS over Adam's ε), ``"moe"`` (default plus MoE routing and per-expert norms: docs/moe.md),
+            or a list of built-in quantity names and :class:`gradscope.Quantity` instances.
         every: record steps whose index is a multiple of ``every`` (default 1).
         slow_every: cosine and update_ratio are taken on recorded steps that are
             multiples of this (default 10).

@@ -17,6 +17,7 @@ from gradscope.recorder.capture.eager import EagerGrads, joined
 from gradscope.recorder.capture.hookset import HookSet
 from gradscope.recorder.capture.norm_alone import NormAlone
 from gradscope.recorder.discovery.layout import Layout
+from gradscope.recorder.capture.routers import RouterCapture
 from gradscope.recorder.capture.signals import Signals
 from gradscope.recorder.capture.site_plan import fully_sharded, plan_sites
 from gradscope.recorder.capture.site_hooks import _KEYS, _LIVE, GRAD_EXPECTED, TAPPED, forget, install_site_hooks
@@ -92,6 +93,7 @@ class Capture:
         self._quick_now = False  # this step takes no per-site user statistics and no cosine samples
         self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/capture/hookset.py)
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
+        self.routers: RouterCapture | None = None  # MoE routing statistics (made by install when asked for)
 
     # -- installation -------------------------------------------------------------------
     def install(self, captures: frozenset[str] = frozenset()) -> None:
@@ -100,6 +102,9 @@ class Capture:
         install_site_hooks(self.hooks, self.key, self.model, norms=list(zip(self.layout.norms, self._norm_kind)),
                            sites=[(p, self._site_flags(i)) for i, p in enumerate(self.sites)])
         self.signals.install(self.hooks, attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
+        if "router" in captures:
+            self.routers = RouterCapture(self.model, lambda: self.on)
+            self.routers.install(self.hooks)
         self.hooks.run_eagerly_as_frames_of_their_own()
 
     def discard(self) -> None:
@@ -123,6 +128,8 @@ class Capture:
         self.discard()
         self.hooks.remove()
         self.signals.remove()
+        if self.routers is not None:
+            self.routers.remove()
         self.collector = self.first_calls = self.fwd = self._no_grads = None
         forget(self.key)
 
@@ -172,6 +179,8 @@ class Capture:
         self.eager.begin()
         if attention or rms or logits:
             self.signals.begin(device, attention=attention, rms=rms, logits=logits)
+        if "router" in captures and self.routers is not None:
+            self.routers.begin(device)
         self.hooks.arm()
         self.on = True
 
@@ -184,6 +193,8 @@ class Capture:
         self.on = False
         self.hooks.disarm(self.eager.handles)
         self.signals.end()
+        if self.routers is not None:
+            self.routers.end()
         if not (self.snapshots and self._idle_since_snapshot()):  # (an empty last snapshot adds nothing: not taken)
             self.snapshot(backward=False)
         snapshots, self.snapshots = self.snapshots, []

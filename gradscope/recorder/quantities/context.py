@@ -144,6 +144,12 @@ class StepContext:
         :class:`gradscope.recorder.capture.signals.Signals`."""
         return self.capture.signals
 
+    @property
+    def routers(self):
+        """The MoE routers' capture (:class:`gradscope.recorder.capture.routers.RouterCapture`),
+        or None when no quantity of the Recorder captures ``router``."""
+        return self.capture.routers
+
     def cosine_matrices(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Stack -> (cosine matrix, which layers were written) of the sampled layer outputs."""
         return self.capture.cosine.matrices()

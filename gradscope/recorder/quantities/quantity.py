@@ -47,10 +47,10 @@ if TYPE_CHECKING:  # type hints only
     from gradscope.recorder.quantities.context import StepContext
     from gradscope.recorder.quantities.step_data import StepData
 
-CAPTURES: tuple[str, ...] = ("value", "grad", "wsig", "cosine", "attention", "rms", "logits")
+CAPTURES: tuple[str, ...] = ("value", "grad", "wsig", "cosine", "attention", "rms", "logits", "router")
 """The built-in in-graph captures a quantity may name in ``captures``: a site's forward
 norm, the sites' gradient norms, norms' w/σ, sampled layer outputs, attention logits,
-sub-layer RMS, output logits (:mod:`gradscope.recorder.capture.capture`)."""
+sub-layer RMS, output logits, MoE routers' outputs (:mod:`gradscope.recorder.capture.capture`)."""
 
 RANK_RULES: tuple[str, ...] = (*COMBINE, "gradient_norm", "loss", "shared", "local")
 """How :func:`gradscope.distributed.global_rows` combines a quantity over ranks:

@@ -14,6 +14,7 @@ from __future__ import annotations
 from gradscope.recorder.quantities.built_in import (ActGradNorm, ActNorm, Cosine, DlclWeight, Logged, LnGain, Lr,
                                                     NonFinite, ParamGradNorm, Replay, ScaleNormG, Spike, UpdateRatio,
                                                     WOverSigma)
+from gradscope.recorder.quantities.moe import EXPERTS, ROUTING
 from gradscope.recorder.quantities.outliers import ActAbsMax, ActKurtosis, MassiveActCount
 from gradscope.recorder.quantities.quantity import Quantity
 from gradscope.recorder.quantities.weights import (AdamVSqrtMax, AdamVSqrtMean, ParamNorm, ParamRms, SpectralNorm,
@@ -40,7 +41,7 @@ REGISTRY: dict[str, Quantity] = {
         Logged("val_loss", "the validation loss the loop logs (rec.log('val_loss', v, step=...))"),
         AttnLogitMax(), AttnEntropy(), AttnSinkMass(), AttnSoftcapSaturation(),
         OutputLogitLogZ(), OutputLogitLogZMax(), SublayerOutRms(), GradRmsOverEps(),
-        Spike(), Replay(),
+        Spike(), Replay(), *ROUTING, *EXPERTS,
         ActAbsMax(), ActKurtosis(), MassiveActCount(),
         ParamNorm(), ParamRms(), UpdateRms(), AdamVSqrtMean(), AdamVSqrtMax(), SpectralNorm(), StableRank(),
     )
@@ -53,20 +54,25 @@ QUANTITY_NAMES: tuple[str, ...] = tuple(n for q in REGISTRY.values() for n in q.
 
 # -- the quantities a Recorder takes ------------------------------------------------------------
 DEFAULT_QUANTITIES = ("act_grad_norm", "act_norm", "param_grad_norm", "ln_gain", "loss", "lr", "nonfinite")
-ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", "spike")
+ROUTING_QUANTITIES = tuple(q.name for q in ROUTING)  # MoE routing per layer (gradscope.recorder.quantities.moe)
+MOE_QUANTITIES = ROUTING_QUANTITIES + tuple(q.name for q in EXPERTS)  # and per-expert norms (a pass over the experts)
+ALL_QUANTITIES = DEFAULT_QUANTITIES + ("ln_w_over_sigma", "cosine", "dlcl_weight", "scalenorm_g", "update_ratio", "spike",
+                                       *ROUTING_QUANTITIES)
 # signals before instability (gradscope.recorder.capture.signals)
 SIGNAL_QUANTITIES = ("attn_logit_max", "attn_entropy", "attn_sink_mass", "attn_softcap_saturation", "output_logit_log_z",
                      "output_logit_log_z_max", "sublayer_out_rms", "grad_rms_over_eps")
 OUTLIER_QUANTITIES = ("act_abs_max", "act_kurtosis", "massive_act_count")  # gradscope.recorder.quantities.outliers
 WEIGHT_QUANTITIES = ("param_norm", "param_rms", "update_rms", "adam_v_sqrt_mean", "adam_v_sqrt_max", "spectral_norm",
                      "stable_rank")  # gradscope.recorder.quantities.weights
-# "all" (snapshot's default) costs what it did: the new sets are asked for by name. The outliers would double a
-# step at d=256 (massive_act_count's median), param_norm adds an all_reduce per recorded step under FSDP2, and
-# spectral_norm's estimate depends on the slow steps before it (a replayed step would read another value).
+# "all" (snapshot's default) costs about what it did: of the new sets it takes only the MoE routing quantities
+# (+3 % of a step, on MoE models only). The outliers would double a step at d=256 (massive_act_count's median),
+# param_norm adds an all_reduce per recorded step under FSDP2, spectral_norm's estimate depends on the slow steps
+# before it (a replayed step would read another value), and the per-expert norms are a pass over the experts.
 QUANTITY_SETS: dict[str, tuple[str, ...]] = {"default": DEFAULT_QUANTITIES, "all": ALL_QUANTITIES,
                                        "signals": DEFAULT_QUANTITIES + SIGNAL_QUANTITIES,
                                        "outliers": DEFAULT_QUANTITIES + OUTLIER_QUANTITIES,
-                                       "weights": DEFAULT_QUANTITIES + WEIGHT_QUANTITIES}
+                                       "weights": DEFAULT_QUANTITIES + WEIGHT_QUANTITIES,
+                                       "moe": DEFAULT_QUANTITIES + MOE_QUANTITIES}
 
 
 def resolve_quantities(quantities: str | tuple | list) -> dict[str, Quantity]:
