@@ -36,8 +36,10 @@ def edges_into(y: torch.Tensor, x: torch.Tensor, start: int) -> list[tuple[objec
     there is none, or if the walk passes more than ``_MAX_NODES`` nodes."""
     if not x.requires_grad or y.grad_fn is None or y.grad_fn._sequence_nr() < start:
         return None
-    edge = get_gradient_edge(x)
-    target, output_nr = edge.node, edge.output_nr
+    target, output_nr = x.grad_fn, x.output_nr
+    if target is None:  # a leaf: its edges go to its AccumulateGrad
+        edge = get_gradient_edge(x)
+        target, output_nr = edge.node, edge.output_nr
     root = y.grad_fn
     if root is target:
         return None
@@ -46,12 +48,10 @@ def edges_into(y: torch.Tensor, x: torch.Tensor, start: int) -> list[tuple[objec
         node = stack.pop()
         into = []
         for i, (nxt, nr) in enumerate(node.next_functions):
-            if nxt is None:
-                continue
             if nxt is target:
                 if nr == output_nr:
                     into.append(i)
-            elif nxt not in seen and start <= nxt._sequence_nr() < _ACCUMULATE_NR:
+            elif nxt is not None and nxt not in seen and start <= nxt._sequence_nr() < _ACCUMULATE_NR:
                 if len(seen) >= _MAX_NODES:
                     return None
                 seen.add(nxt)
