@@ -29,8 +29,9 @@ to ``max_calls``; later calls add into the last slot (and the Recorder warns).
 
 The part holds what a recorded step reads from the model on the device: the permanent module hooks
 (:mod:`.hookset`, :mod:`.site_hooks`), the taps that carry gradient norms out of backward
-(:mod:`.taps`, :mod:`.eager`), the device buffers they write (:mod:`.capture`,
-:mod:`.step_buffer`), the forward signals (:mod:`.signals`, :mod:`.attention_signals`), cosine samples, parameter-gradient
+(:mod:`.taps`, :mod:`.eager`, :mod:`.norm_edges`), the device buffers they write (:mod:`.capture`,
+:mod:`.step_buffer`), the forward signals (:mod:`.signals`, :mod:`.attention_signals`), MoE routers
+(:mod:`.routers`), cosine samples, parameter-gradient
 norms (:mod:`.params`) and the optimizer's and GradScaler's step (:mod:`.optimizer_step`,
 :mod:`.scaler_watch`).
 

@@ -392,7 +392,8 @@ class Capture:
                 w.put(slot, VALUE, value)
         if alone:
             run = self._alone[j]
-            return replace_first(output, w.alone_tap(y, x, point * self.K + c, lambda x_in: run.run(args, kwargs, where, x_in)))
+            tapped = w.alone_tap(y, x, point * self.K + c, lambda x_in: run.run(args, kwargs, where, x_in), j)
+            return None if tapped is None else replace_first(output, tapped)
         gain = norm_gain(module, kind, x, fit) if grad else None
         if gain is None:
             return None

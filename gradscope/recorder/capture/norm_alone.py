@@ -9,7 +9,10 @@ notebook), and RMSNorm or ScaleNorm called on bf16/fp16 tensors, is run again on
 own input with its parameters detached (:class:`NormAlone`), and the gradient at its output
 is handed to that copy as well (:class:`~gradscope.recorder.capture.taps.JoinTap`): autograd
 itself then computes the gradient through the norm alone, exactly, whatever the norm's form,
-gain or eps, eagerly and compiled. A tap on the input would instead change how autograd
+gain or eps. That is how it is read when traced by Dynamo; eagerly the gradient is read on
+the autograd edges from the norm's own nodes into its input instead
+(:mod:`gradscope.recorder.capture.norm_edges`, no second run), and the norm is run again
+only where no such edge is found. A tap on the input would instead change how autograd
 sums the input's gradient (the norm reads it twice) and so change training in the last bit;
 the copy changes nothing of the user's: its input tap gives the input no gradient, its
 parameters are detached, it runs the module's own ``forward`` without its hooks, and it is

@@ -97,13 +97,26 @@ def _norm_hook(tag: int, module, args, kwargs, output):
     return cap.observe_norm(module, args, kwargs, output, tag & _MASK, NORM_KINDS[tag >> _FLAGS & 255])
 
 
+def _norm_pre_hook(tag: int, module, args, kwargs):
+    cap = _LIVE.get(tag >> _SHIFT)
+    if cap is not None and cap.on:
+        cap.writer().begin_norm(tag & _MASK)
+    return None
+
+
+RUN_ALONE_KINDS = ("fit", "rms", "scale")  # norms whose gradient through them alone may be read on their edges (norm_edges.py)
+
+
 def install_site_hooks(hooks, key: int, model, *, norms: list, sites: list) -> None:
     """Registers a Capture's permanent hooks in ``hooks`` (a :class:`~gradscope.recorder.capture.hookset.HookSet`):
     the root's pre-hook, each norm's forward hook (``norms``: (norm, kind) pairs, before the
-    site taps so that it sees the norm's raw output), and each site's hook on its module's
+    site taps so that it sees the norm's raw output; and a pre-hook that notes when its call
+    begins if it may be read on its own autograd edges), and each site's hook on its module's
     output or input (``sites``: (site, flags) pairs). ``key``: the Capture's in :data:`_LIVE`."""
     hooks.forward_pre(model, _root_hook(key))
     for j, (norm, kind) in enumerate(norms):
+        if kind in RUN_ALONE_KINDS:
+            hooks.forward_pre(norm.module, *_tagged(_norm_pre_hook, _tag(key, j)))
         hooks.forward(norm.module, *_tagged(_norm_hook, _tag(key, j, NORM_KINDS.index(kind))))
     for i, (site, flags) in enumerate(sites):
         tagged = _tagged(_output_hook if site.where == "output" else _input_hook, _tag(key, i, flags))

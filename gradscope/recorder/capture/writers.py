@@ -20,6 +20,7 @@ import torch
 
 from gradscope.recorder.capture.buffer_layout import ORDER, VALUE
 from gradscope.recorder.capture.eager import joined, node_hook_reads
+from gradscope.recorder.capture.norm_edges import hook_edges, sequence_number
 from gradscope.recorder.numerics.squared_norms import NormBatch, Reused, squared_norm
 from gradscope.recorder.capture.taps import InputTap, JoinTap, NormTap, Tap
 
@@ -65,9 +66,12 @@ class TracedWriter:
         collector, at = c.traced_slot(slot)
         return NormTap.apply(y, x, collector, at, kind, w, is_ln, eps, dims, None, c.grad_stats_now)
 
-    def alone_tap(self, y: torch.Tensor, x: torch.Tensor, slot: int, run_alone) -> torch.Tensor:
+    def begin_norm(self, j: int) -> None:
+        """Norm ``j``'s call begins (its pre-hook): traced, nothing to note."""
+
+    def alone_tap(self, y: torch.Tensor, x: torch.Tensor, slot: int, run_alone, j: int) -> torch.Tensor | None:
         """``y`` joined to the norm run again alone on a tap of its input ``x`` (``run_alone``),
-        whose backward writes the gradient through the norm alone at ``slot``."""
+        whose backward writes the gradient through the norm alone at ``slot`` (``j``: the norm)."""
         c = self.capture
         collector, at = c.traced_slot(slot)
         return JoinTap.apply(y, run_alone(InputTap.apply(x, collector, at, None, c.grad_stats_now)))
@@ -91,6 +95,7 @@ class EagerWriter(TracedWriter):
         self.pending_sq: list[tuple[int, torch.Tensor]] = []  # (slot, 0-d ‖h‖²): site values
         self.value_sq = Reused()  # ‖h‖² once for a value two sites receive in a row
         self.values = NormBatch()  # site values of a model that promises no in-place op after a site
+        self.norm_start: dict[int, int] = {}  # norm -> the autograd sequence number when its last call began
 
     def new_marks(self) -> None:
         """A recorded step begins: no slot marked."""
@@ -168,6 +173,14 @@ class EagerWriter(TracedWriter):
         c = self.capture
         return NormTap.apply(y, x, c.collector, slot, kind, w, is_ln, eps, dims, c.eager, ())
 
-    def alone_tap(self, y: torch.Tensor, x: torch.Tensor, slot: int, run_alone) -> torch.Tensor:
+    def begin_norm(self, j: int) -> None:
+        self.norm_start[j] = sequence_number()
+
+    def alone_tap(self, y: torch.Tensor, x: torch.Tensor, slot: int, run_alone, j: int) -> torch.Tensor | None:
+        """None when hooks on the edges from the norm's own nodes into ``x`` read the gradient
+        through it alone (:mod:`gradscope.recorder.capture.norm_edges`); else the norm run again."""
         c = self.capture
+        start = self.norm_start.pop(j, None)
+        if start is not None and hook_edges(c.eager, y, x, start, slot):
+            return None
         return JoinTap.apply(y, run_alone(InputTap.apply(x, c.collector, slot, c.eager, ())))
