@@ -311,17 +311,17 @@ def test_grad_norm_is_the_total_norm_and_training_is_bit_identical(measured, lay
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_attention_split_over_tensor_parallel_ranks_is_left_out_with_a_warning_naming_it(measured, layout):
-    """Under tensor parallelism each rank computes 2 of the Llama's 4 heads: attn_logit_max and
-    attn_entropy have no rows there, and a warning names each attention module; under HSDP
+    """Under tensor parallelism each rank computes 2 of the Llama's 4 heads: attn_logit_max,
+    attn_entropy and attn_sink_mass have no rows there, and a warning names each attention module; under HSDP
     (whole heads on every rank) their rows equal the single-process run's."""
     found = measured[f"{layout}/llama"]
     attention = ["model.layers.0.self_attn", "model.layers.1.self_attn"]
     if layout == "hsdp":
         assert found["keys_only_single"] == [] and found["unread_attention"] == [], found
-        assert {"attn_logit_max", "attn_entropy"} <= set(found["worst"]), found
+        assert {"attn_logit_max", "attn_entropy", "attn_sink_mass"} <= set(found["worst"]), found
     else:
         assert found["unread_attention"] == attention, found
-        assert found["keys_only_single"] == [[s, q] for s in attention for q in ("attn_entropy", "attn_logit_max")], found
+        assert found["keys_only_single"] == [[s, q] for s in attention for q in ("attn_entropy", "attn_logit_max", "attn_sink_mass")], found
 
 
 def test_sequence_parallel_activations_are_left_out_with_a_warning_naming_them(measured):

@@ -98,10 +98,10 @@ def test_moe_and_outlier_panels_draw_the_rows_they_are_given(tmp_path):
     from gradscope.sinks.parquet import to_arrow, write_part
 
     df, load, act_max = _moe_and_outlier_frame(np.random.default_rng(0))
-    ax = expert_load_by_layer(df)
+    ax = expert_load_by_layer(df, ax=plt.subplots()[1])  # (its own Axes: an earlier test's figure may be current)
     np.testing.assert_allclose(ax.collections[0].get_array().reshape(2, 4), load[-1])  # row = MoE layer, column = expert
     plt.close(ax.figure)
-    ax = quantity_by_site(df, "act_abs_max")
+    ax = quantity_by_site(df, "act_abs_max", ax=plt.subplots()[1])
     for k, line in enumerate(ax.lines):
         np.testing.assert_allclose(line.get_ydata(), act_max[:, k])
     assert ax.get_yscale() == "log" if act_max.max() > 100 * act_max.min() else "linear"

@@ -117,9 +117,8 @@ class Capture:
         self.eager.forget()
 
     def dropped(self) -> None:
-        """Its Recorder was collected without ``close()``: the hooks are disarmed (an open
-        step's too; what the step kept, as retained aliases holding its graph, goes) and
-        read no more."""
+        """Its Recorder was collected without ``close()``: the hooks are disarmed (an open step's
+        too; what the step kept, as retained aliases holding its graph, goes) and read no more."""
         self.discard()
         forget(self.key)
 
@@ -185,9 +184,8 @@ class Capture:
         self.on = True
 
     def end(self) -> tuple[list[Snapshot], list[int]]:
-        """Disarms the hooks; returns the step's snapshots (‖grad‖² per tap, forward buffer,
-        host marks, which gradients arrived), one per backward and a last one for forward work after the last
-        backward, and the call counts."""
+        """Disarms the hooks; returns the step's snapshots (‖grad‖² per tap, forward buffer, host marks,
+        which gradients arrived; one per backward, a last one for forward work after it) and the call counts."""
         if self.eager.ungathered():  # a backward whose end no hook saw: its gradients are its own micro-step
             self.snapshot()
         self.on = False
@@ -307,8 +305,7 @@ class Capture:
         return out
 
     def left_out_sharded(self, i: int, t: torch.Tensor) -> None:
-        """Site (or norm, ``i`` past the sites) ``i`` passed on a DTensor (sequence parallelism):
-        it is left out, and named at the step's end (:meth:`StepChecks.sharded`)."""
+        """Site (or norm, ``i`` past the sites) ``i`` passed on a DTensor (sequence parallelism): left out."""
         name = self.sites[i].name if i < len(self.sites) else self.layout.norms[i - len(self.sites)].name
         self.sharded.setdefault(name, str(tuple(t.placements)))
 

@@ -39,9 +39,13 @@ class NormAlone(nn.Module):
     def __init__(self, norm: nn.Module) -> None:
         super().__init__()
         self.norm = norm
+        # its class's own forward (no hooks, not armed), looked up here once: read inside a compiled
+        # forward, the registry of swapped classes would be guarded on by Dynamo, key by key, and a
+        # Recorder collected while another compiles shrinks it under the guard being built
+        self._own_forward = own_class(norm).forward
 
     def forward(self, *args, **kwargs):
-        return own_class(self.norm).forward(self.norm, *args, **kwargs)  # (its class's own: no hooks, not armed)
+        return self._own_forward(self.norm, *args, **kwargs)
 
     def run(self, args: tuple, kwargs: dict, where: int | str, x: torch.Tensor) -> torch.Tensor | None:
         """The norm's output for the call ``(args, kwargs)`` with ``x`` in place of its main
