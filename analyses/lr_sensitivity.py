@@ -9,7 +9,7 @@ both. Everything else is the preset's recipe, the same for every run. ``attn_log
 ``output_logit_log_z`` are recorded at init and ``RECORDINGS`` times during training.
 
 Claims, with rules fixed in ``gradscope/claims/instability.py`` before any run, decided over
-``preset.train_seeds`` seeds:
+3 seeds (at least; ``preset.train_seeds`` where more):
 1. qk_norm lowers Wortsman's LR sensitivity E_lr[min(ℓ(lr), ℓ₀) − ℓ*];
 2. at the highest rates, attention logits grow without qk_norm and qk_norm keeps them down;
 3. z-loss pulls log Z toward 0 and lowers the LR sensitivity, decided only where it acted
@@ -49,6 +49,7 @@ class LrSensitivity(Analysis):
     quantities = ("attn_logit_max", "output_logit_log_z")
     task_name = TASK
     recordings = RECORDINGS
+    min_train_seeds = 3
 
     @property
     def depth(self) -> int:
