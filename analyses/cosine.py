@@ -2,8 +2,10 @@
 
 post_ln, pre_ln and b2t encoder-decoders at the shallow setting (6L-6L; 2L-2L at ci) are
 trained on the ``reverse`` task with identical hyper-parameters, on 3 seeds (the B2T
-margins are near-ties that one seed decided either way), 400 steps with a 100-step warm-up
-at default (a quarter of a run's steps would not cover Adam's β₂ = 0.98 horizon otherwise). The trained
+margins are near-ties that one seed decided either way), with the recipe of
+``analyses.convergence`` at default: 300 steps with a 100-step warm-up (8 % of the run would not
+cover Adam's β₂ = 0.98 horizon). They are convergence's shallow runs: ``python -m analyses``
+trains them once for both (``analyses.pool``). The trained
 models (eval mode, no dropout) then read validation batch 0, and S[i, j] = mean over
 sampled non-pad tokens of cos(y_i, y_j), y_0 the embedding output, is recorded for
 each stack.
@@ -23,12 +25,12 @@ import pandas as pd
 
 from analyses.outputs import tag
 from analyses.runner import Analysis, entry_point
-from analyses.runs import Bench, RunSpec
+from analyses.runs import RunSpec, Snapshot, TrainRequest
 from gradscope import claims, plots
 
 VARIANTS = ("post_ln", "pre_ln", "b2t")
 STACKS = ("encoder", "decoder")
-STEPS = {"ci": 100, "default": 400, "paper": 50_000}
+STEPS = {"ci": 100, "default": 300, "paper": 50_000}
 WARMUP = {"ci": None, "default": 100, "paper": None}  # None: the preset's fraction (4k of 50k for paper)
 
 
@@ -47,11 +49,9 @@ class Cosine(Analysis):
         return [self.trained(v, p.model(v, n, n), STEPS[p.name], k=k, warmup=WARMUP[p.name])
                 for k in self.seed_indices(trained=True) for v in VARIANTS]
 
-    def collect(self, spec: RunSpec, bench: Bench) -> list[pd.DataFrame]:
+    def request(self, spec: RunSpec) -> TrainRequest:
         """The training table, and cosine on validation batch 0 after training (eval mode)."""
-        trained = bench.train(spec)
-        return [trained.table, bench.measure(trained.model, run=spec.run, quantities=("cosine",), step=spec.train.steps,
-                                             split="valid", index=0, eval_mode=True)]
+        return TrainRequest(spec, after=(Snapshot(("cosine",), split="valid", index=0, eval_mode=True),))
 
     def conclude(self, df: pd.DataFrame) -> list[claims.Verdict]:
         out = []

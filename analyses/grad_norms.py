@@ -33,7 +33,7 @@ import pandas as pd
 from analyses.outputs import tag
 from analyses.runner import Analysis, entry_point
 from analyses.convergence import STEPS as CONVERGENCE_STEPS
-from analyses.runs import Bench, RunSpec
+from analyses.runs import RunSpec, TrainRequest
 from gradscope import claims, plots
 
 VARIANTS = ("post_ln", "pre_ln", "b2t")
@@ -85,9 +85,9 @@ class GradNorms(Analysis):
         unique = {spec.run: spec for spec in specs}  # post_ln 6L-6L may appear twice
         return list(unique.values())
 
-    def collect(self, spec: RunSpec, bench: Bench) -> list[pd.DataFrame]:
+    def request(self, spec: RunSpec) -> TrainRequest:
         """Init-only runs at step 0; Wang's trained runs at every step."""
-        return [bench.train(spec, quantities=self.quantities, record_every=1 if spec.train else 0).table]
+        return TrainRequest(spec, self.quantities, record_every=1 if spec.train else 0)
 
     def setting(self, df: pd.DataFrame, n: int) -> pd.DataFrame:
         names = [f"{v} {setting_name(n)}" for v in VARIANTS]

@@ -27,7 +27,7 @@ import matplotlib.pyplot as plt
 import pandas as pd
 
 from analyses.runner import Analysis, entry_point
-from analyses.runs import Bench, RunSpec
+from analyses.runs import RunSpec
 from gradscope import claims, plots
 from gradscope.claims.quotes import quote_for
 from gradscope.train.tasks import make_task
@@ -63,18 +63,13 @@ class LrSensitivity(Analysis):
         specs = []
         for k in self.seed_indices(trained=True):
             for run, (_, qk, z, lr) in self.runs().items():
-                model = self.preset.size.replace(arch="decoder", variant="pre_ln", n_enc=self.depth, n_dec=self.depth,
-                                                 qk_norm=qk)
+                model = self.preset.decoder("pre_ln", self.depth, qk_norm=qk)
                 spec = self.trained(run, model, STEPS[self.preset.name], k=k, lr=lr)
                 specs.append(dataclasses.replace(spec, train=spec.train.replace(z_loss=z)))
         return specs
 
     def task(self, seed: int):
         return make_task(TASK, vocab=self.preset.size.vocab, max_len=self.preset.size.max_len, seed=seed)
-
-    def collect(self, spec: RunSpec, bench: Bench) -> list[pd.DataFrame]:
-        steps = spec.train.steps
-        return [bench.train(spec, quantities=self.quantities, record_every=max(1, steps // self.recordings)).table]
 
     def summary(self, df: pd.DataFrame) -> pd.DataFrame:
         return claims.lr_summary(df, self.runs())

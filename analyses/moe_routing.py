@@ -65,7 +65,7 @@ class MoeRouting(Analysis):
 
     def plan(self) -> list[RunSpec]:
         depth = self.preset.shallow
-        model = self.preset.size.replace(arch="decoder", variant="pre_ln", n_enc=depth, n_dec=depth)
+        model = self.preset.decoder("pre_ln", depth)
         return [self.trained(run, model, STEPS[self.preset.name]) for run in RUNS]
 
     def task(self, seed: int):

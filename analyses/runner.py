@@ -24,7 +24,7 @@ from matplotlib.figure import Figure
 
 from analyses.cli import parse_args
 from analyses.outputs import annotate, publish, report, save_figure, save_plain_table, saved_setting
-from analyses.runs import Bench, RunSpec, cap_steps, dry_run
+from analyses.runs import Bench, RunSpec, TrainRequest, cap_steps, dry_run
 from analyses.workers import collect_runs
 from gradscope import presets
 from gradscope.claims import Verdict, seed_run, split_run
@@ -80,10 +80,17 @@ class Analysis:
         raise NotImplementedError
 
     def collect(self, spec: RunSpec, bench: Bench) -> list[pd.DataFrame]:
-        """The tables of one run."""
+        """The tables of one run: by default those of :meth:`request`. An analysis that
+        overrides this method runs its own way, and ``python -m analyses`` does not share its
+        runs with other analyses (:mod:`analyses.pool`)."""
+        return bench.run(self.request(spec))
+
+    def request(self, spec: RunSpec) -> TrainRequest:
+        """What the default :meth:`collect` records of ``spec``: :meth:`quantities_for` at step 0
+        and :attr:`recordings` times during training."""
         steps = spec.train.steps if spec.train is not None else 0
         every = max(1, steps // self.recordings) if self.recordings and steps else 0
-        return [bench.train(spec, quantities=self.quantities_for(spec), record_every=every).table]
+        return TrainRequest(spec, self.quantities_for(spec), every)
 
     def conclude(self, table: pd.DataFrame) -> list[Verdict]:
         """The verdicts on the papers' claims, each tagged with its setting."""
@@ -217,12 +224,23 @@ def run(kind: type[Analysis], args: argparse.Namespace) -> list[Verdict]:
             return []
         bench = Bench(task=task, device=device, batch_size=analysis.preset.batch_size, seed=args.seed,
                       progress=not args.no_progress)
-        table = concat(collect_runs(analysis, specs, bench, workers=args.workers, threads=args.threads,
-                                    progress=not args.no_progress))
-        verdicts = analysis.noted(analysis.conclude(table))
-        for name, extra in analysis.extra_tables(table).items():
-            save_plain_table(extra, args.out, name)
-        publish(table, analysis.draw(table, verdicts), verdicts, args.out, kind.name, analysis.run_setting())
+        parts = collect_runs(analysis, specs, bench, workers=args.workers, threads=args.threads,
+                             progress=not args.no_progress)
+        return finish(analysis, parts, args)
+
+
+def finish(analysis: Analysis, parts: Sequence[pd.DataFrame], args: argparse.Namespace) -> list[Verdict]:
+    """Concludes, draws and publishes ``analysis`` from the tables of its runs (in its plan's
+    order): the tidy table, its further tables, the figure and its CLAIMS.md section in ``--out``.
+
+    Returns:
+        The verdicts.
+    """
+    table = concat(parts)
+    verdicts = analysis.noted(analysis.conclude(table))
+    for name, extra in analysis.extra_tables(table).items():
+        save_plain_table(extra, args.out, name)
+    publish(table, analysis.draw(table, verdicts), verdicts, args.out, type(analysis).name, analysis.run_setting())
     return verdicts
 
 

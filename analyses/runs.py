@@ -1,6 +1,9 @@
 """Running the models of an analysis: what a run is, and the bench that builds, records and trains it.
 
 - :class:`RunSpec`: one model of an analysis, optionally trained.
+- :class:`TrainRequest`: what an analysis records of a run it only trains (and the
+  :class:`Snapshot` it takes of the trained model): the unit ``python -m analyses`` shares
+  between analyses (:mod:`analyses.pool`).
 - :class:`Bench`: what an analysis's ``collect`` gets: the task, the device, the seed and
   :meth:`Bench.train` / :meth:`Bench.measure`.
 - :func:`dry_run`: build each planned model once, print the plan, train nothing.
@@ -42,6 +45,35 @@ class RunSpec:
         return self.model.n_enc
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    """A measurement of a run's trained model (:meth:`Bench.measure`, labelled with the run's
+    last step): ``quantities`` on batch ``index`` of ``split``, in eval mode (no dropout) or not."""
+
+    quantities: tuple[str, ...]
+    split: str = "valid"
+    index: int = 0
+    eval_mode: bool = True
+
+
+@dataclass(frozen=True)
+class TrainRequest:
+    """What an analysis wants of one run that it builds, records and trains the standard way.
+
+    Attributes:
+        spec: the run.
+        quantities: recorded at step 0 and every ``record_every`` training steps (none: the
+            training loop's rows alone, :data:`gradscope.train.history.LOOP_QUANTITIES`).
+        record_every: recording interval during training (0: at step 0 only).
+        after: snapshots of the trained model, in order.
+    """
+
+    spec: RunSpec
+    quantities: tuple[str, ...] = ()
+    record_every: int = 0
+    after: tuple[Snapshot, ...] = ()
+
+
 def cap_steps(spec: RunSpec, max_steps: int | None) -> RunSpec:
     """``spec`` with its training capped at ``max_steps`` (warm-up and evaluation rescaled)."""
     if spec.train is None or max_steps is None or spec.train.steps <= max_steps:
@@ -70,6 +102,8 @@ class Trained:
     model: torch.nn.Module
     table: pd.DataFrame
     diverged: bool
+    #: the training run's own rows (``table`` without the step-0 snapshot)
+    training_rows: pd.DataFrame | None = None
 
 
 @dataclass(frozen=True)
@@ -105,6 +139,18 @@ class Bench:
         finally:
             model.train(was_training)
 
+    def run(self, request: TrainRequest) -> list[pd.DataFrame]:
+        """The tables of ``request``: its training table, then one per snapshot of the trained model."""
+        spec = request.spec
+        trained = self.train(spec, quantities=request.quantities, record_every=request.record_every)
+        return [trained.table, *self.snapshots(trained.model, spec, request.after)]
+
+    def snapshots(self, model: torch.nn.Module, spec: RunSpec, after: Sequence[Snapshot]) -> list[pd.DataFrame]:
+        """:meth:`measure` of ``model`` for each of ``after``, labelled ``spec.run`` and its last step."""
+        step = spec.train.steps if spec.train is not None else 0
+        return [self.measure(model, run=spec.run, quantities=s.quantities, step=step, split=s.split, index=s.index,
+                             eval_mode=s.eval_mode) for s in after]
+
     def train(self, spec: RunSpec, *, quantities: Sequence[str] = (), record_every: int = 0) -> Trained:
         """Builds, records at init and trains one run.
 
@@ -123,7 +169,7 @@ class Bench:
         parts: list[pd.DataFrame] = []
         if quantities:
             parts.append(self.measure(model, run=spec.run, quantities=quantities, step=0, seed=seed))
-        diverged = False
+        diverged, training_rows = False, None
         if spec.train is not None:
             recorder = None
             if quantities and record_every:
@@ -135,9 +181,10 @@ class Bench:
             finally:
                 if recorder is not None:
                     recorder.close()
-            parts.append(result.store.frame())
+            training_rows = result.store.frame()
+            parts.append(training_rows)
             diverged = result.diverged
-        return Trained(model, concat(parts), diverged)
+        return Trained(model, concat(parts), diverged, training_rows)
 
 
 def dry_run(specs: Sequence[RunSpec], task: Task, device: torch.device) -> None:

@@ -106,8 +106,9 @@ class Task:
         return batch[-1]
 
     def __repr__(self) -> str:
-        name = type(self).__name__
-        return f"{name}(vocab={self.vocab}, max_len={self.max_len}, pad_id={self.pad_id}, seed={self.seed})"
+        """The class and every option that sets the data (two tasks with one repr draw the same batches)."""
+        options = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if isinstance(v, (bool, int, float, str)))
+        return f"{type(self).__name__}({options})"
 
 
 class _SyntheticTask(Task):
