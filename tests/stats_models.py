@@ -5,6 +5,7 @@ written here. Dropout is off so that a twin (a deep copy) computes the same numb
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -13,10 +14,15 @@ from torch import nn
 VOCAB, D = 40, 16
 
 
+def layer_norm(block: int, d: int) -> nn.Module:
+    """The norm of every block by default: ``nn.LayerNorm``."""
+    return nn.LayerNorm(d)
+
+
 class Block(nn.Module):
-    def __init__(self, d: int) -> None:
+    def __init__(self, d: int, norm: Callable[[int], nn.Module] = nn.LayerNorm) -> None:
         super().__init__()
-        self.ln_1, self.ln_2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.ln_1, self.ln_2 = norm(d), norm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
@@ -29,10 +35,13 @@ class Block(nn.Module):
 
 
 class NanoGPT(nn.Module):
-    def __init__(self, vocab: int = VOCAB, d: int = D, n: int = 2) -> None:
+    """nanoGPT's shape; ``block_norm(i, d)`` makes block i's norms (tests that need hand-written ones)."""
+
+    def __init__(self, vocab: int = VOCAB, d: int = D, n: int = 2,
+                 block_norm: Callable[[int, int], nn.Module] = layer_norm) -> None:
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
-        self.h = nn.ModuleList([Block(d) for _ in range(n)])
+        self.h = nn.ModuleList([Block(d, lambda width, i=i: block_norm(i, width)) for i in range(n)])
         self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
 
     def forward(self, idx):

@@ -21,6 +21,7 @@ from torch import nn
 
 import gradscope
 from gradscope.distributed import global_rows
+from tests import stats_models
 
 
 class MaxAbs(gradscope.Quantity):
@@ -62,34 +63,13 @@ class RMSNorm(nn.Module):  # written by hand, as many research repos do (a fitte
         return self.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, rms: bool) -> None:
-        super().__init__()
-        self.ln_1 = RMSNorm(d) if rms else nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.ln_2 = RMSNorm(d) if rms else nn.LayerNorm(d)
-        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-
-    def forward(self, x):
-        B, T, D = x.shape
-        q, k, v = self.qkv(self.ln_1(x)).view(B, T, 3, 2, D // 2).unbind(2)
-        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(B, T, D))
-        return x + self.mlp(self.ln_2(x))
+def _rms_every_other(block: int, d: int) -> nn.Module:
+    return RMSNorm(d) if block % 2 == 1 else nn.LayerNorm(d)
 
 
-class NanoGPT(nn.Module):
-    def __init__(self, vocab: int = 32, d: int = 16, n: int = 3) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d)
-        self.h = nn.ModuleList([Block(d, i % 2 == 1) for i in range(n)])
-        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
-
-    def forward(self, idx):
-        x = self.wte(idx)
-        for block in self.h:
-            x = block(x)
-        return self.head(self.ln_f(x))
+def nano_gpt(vocab: int = 32, d: int = 16, n: int = 3) -> nn.Module:
+    """nanoGPT (tests/stats_models.py) with a hand-written RMSNorm in every other block."""
+    return stats_models.NanoGPT(vocab, d, n, block_norm=_rms_every_other)
 
 
 def _loss(model, idx):
@@ -138,7 +118,7 @@ def _recorded(model: nn.Module, batches: list[torch.Tensor], compiled: bool) -> 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_user_quantities_agree_with_autograd(compiled):
     torch.manual_seed(0)
-    model = NanoGPT()
+    model = nano_gpt()
     twin = copy.deepcopy(model)
     batches = [torch.randint(0, 32, (2, 7)) for _ in range(2)]
     df = _recorded(model, batches, compiled)
@@ -174,7 +154,7 @@ def test_a_user_quantity_is_validated_and_named_in_the_error():
     class BadRule(MaxAbs):
         across_ranks = "median"
 
-    model = NanoGPT()
+    model = nano_gpt()
     with pytest.raises(ValueError, match="NoName.name"):
         gradscope.Recorder(model, quantities=[NoName()])
     with pytest.raises(ValueError, match=r"BadRule.across_ranks: 'median'; valid: \['max'"):
@@ -188,7 +168,7 @@ def test_a_user_quantity_is_validated_and_named_in_the_error():
 
 
 def test_a_step_without_backward_gives_no_user_gradient_rows():
-    model = NanoGPT()
+    model = nano_gpt()
     rec = gradscope.Recorder(model, quantities=[MaxAbs(), GradRms()])
     idx = torch.randint(0, 32, (2, 7))
     with warnings.catch_warnings(record=True) as caught:
@@ -241,7 +221,7 @@ def test_contract_mistakes_are_named():
         def site_grad(self, grad):
             return grad.abs().amax()
 
-    model, idx = NanoGPT(), torch.randint(0, 32, (2, 7))
+    model, idx = nano_gpt(), torch.randint(0, 32, (2, 7))
     for bad, match in ((Misspelled(), r"none of site_value.*did you mean .*'site_value'"), (Shouting(), "Shouting.name"),
                        (BothWays(), r"BothWays: defines both site_value and site_grad.*make two quantities"),
                        (PassesForBuiltIn(), "a built-in quantity's name"), (MaxAbs, r"pass an instance, MaxAbs\(\)")):
@@ -279,7 +259,7 @@ def test_the_review_s_contract_mistakes_are_named_where_they_are_made():
         def site_grad(self, g):
             return g.flatten()[:3]
 
-    model = NanoGPT()
+    model = nano_gpt()
     idx = torch.randint(0, 32, (2, 7))
     rec = gradscope.Recorder(model, quantities=["act_norm", BadRows()])
     with pytest.raises(TypeError, match=r"BadRows.rows: row 0 is \('x', 1.0\); each row is \(Key, float\)"):
@@ -307,7 +287,7 @@ def test_add_many_with_the_wrong_count_names_the_quantity():
             keys = ctx.groups.keys(self.name)
             ctx.add_many(keys, torch.zeros(len(keys) + 2))
 
-    model = NanoGPT()
+    model = nano_gpt()
     rec = gradscope.Recorder(model, quantities=[GroupCount()])
     with pytest.raises(ValueError, match=r"GroupCount.collect: StepContext.add_many: \d+ keys but \d+ values"):
         with rec.step(0):
