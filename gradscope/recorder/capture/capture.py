@@ -351,13 +351,13 @@ class Capture:
         self.seq = seq = self.seq + 1
         w = self._eager_writer
         w.marks[slot] = seq if grad and flags & GRAD_EXPECTED else -seq
-        if self.want_value:
-            w.values.add(slot, t)
+        waits = self.want_value and w.values.add(slot, t)  # (a short value waits: no reduction of it to pass on)
         if not (grad and flags & TAPPED):
             return None
         out = t[...]  # the alias whose kept gradient is the site's (EagerWriter.tap)
         self.eager.retain(out, slot, False)
-        w.values.passed_on(t, out)  # (value_sq serves only models without the promise)
+        if not waits:
+            w.values.passed_on(t, out)  # (value_sq serves only models without the promise)
         return out
 
 

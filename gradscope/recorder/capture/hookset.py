@@ -152,10 +152,11 @@ class HookSet:
 
     def arm(self) -> None:
         """Puts every hook in place. A module whose hooks are all tagged and that has no
-        other hooks (:func:`_carriable_class`, :func:`_no_hooks`) gets its carrying class, whose ``forward`` runs
-        them; any other module gets its hooks back into its hook dicts, before the hooks
-        registered after them (handle ids grow with registration), so a user's hook added
-        later still sees our output, and its armed twin class.
+        other hooks (:func:`_no_hooks`), no ``forward`` of its own instance and no
+        ``Module.compile`` gets its carrying class, whose ``forward`` runs them; any other
+        module gets its hooks back into its hook dicts, before the hooks registered after
+        them (handle ids grow with registration), so a user's hook added later still sees
+        our output, and its armed twin class.
 
         One pass over the modules, touching each module's state once: on a GPU the step's
         host work is the cost, and between two recorded steps these objects have left the
@@ -182,7 +183,12 @@ class HookSet:
                                                self._entries):
             cls = type(m)
             state = m.__dict__
-            carry = carried[k] = (quiet and tagged is not None and _carriable_class(state, cls)
+            # carriable, hooks aside: no twin (another armed HookSet holds it), no ``forward`` of its own
+            # instance, not compiled by ``Module.compile`` (whose hooks run outside its compiled frame);
+            # (inline: one call fewer per module)
+            carry = carried[k] = (quiet and tagged is not None
+                                  and not (cls in _ORIGINAL or "forward" in state
+                                           or state.get("_compiled_call_impl") is not None)
                                   and ((same and carried[k]) or _no_hooks(state)))
             if carry:
                 _SET_CLASS(m, "__class__", twin if twin is not None and twin.__base__ is cls else self._twin(k))
@@ -315,14 +321,6 @@ def _dropped(live: list[bool], refs: list[weakref.ref], twins: list[type | None]
         alive = [(m, ref, twin) for m, ref, twin in ((ref(), ref, twin) for ref, twin in zip(refs, twins)) if m is not None]
         _disarm_classes([m for m, _, _ in alive], [ref for _, ref, _ in alive], [twin for _, _, twin in alive], live)
     _forget_twins(twins)
-
-
-def _carriable_class(state: dict, cls: type) -> bool:
-    """Whether a module (``state``: its ``__dict__``) of class ``cls`` may have its hooks
-    carried by its class, hooks aside (:func:`_no_hooks`): it is no twin (another armed
-    HookSet holds it), has no ``forward`` of its own instance and is not compiled by
-    ``Module.compile`` (whose hooks run outside its compiled frame)."""
-    return not (cls in _ORIGINAL or "forward" in state or state.get("_compiled_call_impl") is not None)
 
 
 def _no_hooks(state: dict) -> bool:

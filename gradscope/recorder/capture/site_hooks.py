@@ -60,13 +60,14 @@ def _output_hook(tag: int, module, args, kwargs, output):
     cap = _LIVE.get(tag >> _SHIFT)
     if cap is None or not cap.on:
         return None
-    t = first_tensor(output)
+    plain = type(output) is torch.Tensor  # (most sites: first_tensor and replace_first are the output itself)
+    t = output if plain else first_tensor(output)
     if t is None or not t.is_floating_point():
         return None
-    if type(t) is not torch.Tensor and is_dtensor(t):  # (sequence parallelism: a slice of the sequence per rank)
+    if not plain and type(t) is not torch.Tensor and is_dtensor(t):  # (sequence parallelism: a slice of the sequence per rank)
         return cap.left_out_sharded(tag & _MASK, t)
     new = cap.observe(tag & _MASK, t, (args, kwargs), tag >> _FLAGS & 255)
-    return None if new is None else replace_first(output, new)
+    return new if plain or new is None else replace_first(output, new)
 
 
 def _input_hook(tag: int, module, args, kwargs):

@@ -122,7 +122,8 @@ class EagerWriter(TracedWriter):
         if self.pending_fwd:
             rows = torch.tensor([s for s, _, _ in self.pending_fwd], device=fwd.device)
             cols = torch.tensor([c for _, c, _ in self.pending_fwd], device=fwd.device)
-            fwd.index_put_((rows, cols), torch.stack([v.float() for _, _, v in self.pending_fwd]))
+            fwd.index_put_((rows, cols), torch.stack([v if v.dtype is torch.float32 else v.float()  # (no dispatch for fp32)
+                                                      for _, _, v in self.pending_fwd]))
         slots, sq = joined(*self.values.take(), self.pending_sq)
         if slots:  # (‖h‖² added: a slot that several forwards of the micro-step wrote holds their sum)
             fwd.view(-1).index_add_(0, index(slots, 1), sq.to(fwd.device))

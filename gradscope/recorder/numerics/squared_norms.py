@@ -292,8 +292,9 @@ class NormBatch:
         self._done: list[tuple[list[int], torch.Tensor | list[torch.Tensor]]] = []
         self._long.clear()
 
-    def add(self, slot: int, t: torch.Tensor) -> None:
-        """‖t‖² for ``slot``, taken later."""
+    def add(self, slot: int, t: torch.Tensor) -> bool:
+        """‖t‖² for ``slot``, taken later. Returns whether ``t`` itself waits (short and
+        strided: reduced at :meth:`take`; no reduction of it to pass on, :meth:`passed_on`)."""
         n = t.numel()
         if n >= DENSE_MIN or n == 0 or t.layout != torch.strided:
             sq = self._long(t)
@@ -303,13 +304,14 @@ class NormBatch:
                 last[1].append(sq)
             else:
                 self._done.append(([slot], [sq]))
-            return
+            return False
         self._slots.append(slot)
         self._tensors.append(t)
         self._versions.append(t._version)
         self._elements += n
         if self._elements >= self.limit:
             self._reduce()
+        return True
 
     def add_many(self, slots: list[int], tensors: list[torch.Tensor], *, short: bool = False) -> None:
         """:meth:`add` of each (slot, tensor), appended in one go when all are short and
