@@ -12,7 +12,7 @@ the call began (:func:`sequence_number`); the walk stops at every older node and
 parameters' ``AccumulateGrad``.
 
 Where no such edge is found (a norm whose output is its input, an input that takes no
-gradient, a norm that changes its input in place), :class:`EdgeSum` is not used and the norm
+gradient, a norm that changes its input in place), nothing is hooked and the norm
 is run again alone (:mod:`gradscope.recorder.capture.norm_alone`), as it is when traced by
 Dynamo, where no node exists to be hooked.
 """
@@ -64,48 +64,56 @@ def edges_into(y: torch.Tensor, x: torch.Tensor, start: int) -> list[tuple[objec
 _ACCUMULATE_NR = (1 << 64) - 1  # an AccumulateGrad node's sequence number (a leaf's: nothing to walk past)
 
 
-class EdgeSum:
-    """Sums, in one backward, the gradients a norm's nodes send into its input, and hands the
-    sum to ``eager`` (an :class:`~gradscope.recorder.capture.eager.EagerGrads`) once every node
-    has sent its own.
-
-    Args:
-        eager: the capture's eager gradients (held weakly: a node keeps its hook from C++).
-        slot: the collector slot of the norm's input for this call.
-        nodes: how many nodes send a gradient into the input.
-    """
-
-    __slots__ = ("eager", "slot", "epoch", "nodes", "seen", "total")
-
-    def __init__(self, eager, slot: int, nodes: int) -> None:
-        self.eager, self.slot, self.epoch, self.nodes = weakref.ref(eager), slot, eager.epoch, nodes
-        self.seen, self.total = 0, None
-
-    def hook(self, into: tuple[int, ...], grad_inputs: tuple, grad_outputs: tuple) -> None:
-        """A node's post-hook: ``grad_inputs[i]`` for ``i`` in ``into`` go to the norm's input."""
-        eager = self.eager()
-        if eager is None or not eager.live(self.epoch):
-            return
-        for i in into:
-            g = grad_inputs[i]
-            if g is not None:
-                self.total = g if self.total is None else self.total + g
-        self.seen += 1
-        if self.seen == self.nodes:  # (a second backward through a kept graph sums afresh)
-            total, self.total, self.seen = self.total, None, 0
-            if total is not None:
-                eager.add(self.slot, total)
-
-
 def hook_edges(eager, y: torch.Tensor, x: torch.Tensor, start: int, slot: int) -> bool:
     """Hooks the edges from the norm's own nodes into ``x`` (made since ``start``, ending in
-    ``y``) so that backward hands the gradient through the norm alone to ``eager`` at ``slot``;
-    False (nothing hooked) if no such edge is found."""
+    ``y``) so that backward hands the gradient through the norm alone to ``eager`` (an
+    :class:`~gradscope.recorder.capture.eager.EagerGrads`, held weakly: a node keeps its hook
+    from C++) at ``slot``; False (nothing hooked) if no such edge is found.
+
+    Each node's post-hook is a closure that reads its ``grad_inputs`` entries into ``x``: with
+    one node (a norm that casts its input first, as in bf16) it hands them over itself; with
+    several (x·rsqrt(mean(x²)) reads ``x`` twice) each adds its part to the sum so far and the
+    last to run hands the sum over (a second backward through a kept graph sums afresh). Only
+    that one asks whether the step is still live."""
     found = edges_into(y, x, start)
     if found is None:
         return False
-    summed = EdgeSum(eager, slot, len(found))
-    for node, into in found:
-        node.register_hook(partial(summed.hook, into))
+    deliver = partial(_deliver, weakref.ref(eager), eager.epoch, slot)
+    if len(found) == 1 and len(found[0][1]) == 1:
+        node, (i,) = found[0]
+        node.register_hook(partial(_single, i, deliver))
+    else:
+        state = [0, None]  # (nodes that ran, their sum so far)
+        for node, into in found:
+            node.register_hook(partial(_part, into, state, len(found), deliver))
     eager.handles += len(found)
     return True
+
+
+def _single(i: int, deliver, grad_inputs: tuple, grad_outputs: tuple) -> None:
+    """The post-hook of a norm's only node with an edge into its input (at ``i``)."""
+    g = grad_inputs[i]
+    if g is not None:
+        deliver(g)
+
+
+def _part(into: tuple[int, ...], state: list, nodes: int, deliver, grad_inputs: tuple, grad_outputs: tuple) -> None:
+    """The post-hook of one of ``nodes`` nodes with edges into the norm's input (at ``into``):
+    ``state`` holds how many of them ran and the sum so far."""
+    ran, total = state
+    for i in into:
+        g = grad_inputs[i]
+        if g is not None:
+            total = g if total is None else total + g
+    if ran + 1 < nodes:
+        state[0], state[1] = ran + 1, total
+        return
+    state[0], state[1] = 0, None
+    if total is not None:
+        deliver(total)
+
+
+def _deliver(eager_ref: weakref.ref, epoch: int, slot: int, grad: torch.Tensor) -> None:
+    eager = eager_ref()
+    if eager is not None and eager.live(epoch):
+        eager.add(slot, grad)
