@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import operator
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -102,6 +103,13 @@ class StepContext:
         self.buffer.add_block(name, values)
 
     # -- what is there to read ---------------------------------------------------------------
+    def once(self, name: str, compute: Callable[[], Any]) -> Any:
+        """``compute()`` the first time this step asks for ``name``, the same value after: what
+        several quantities read (‖θ‖ per group, Adam's √v) is computed once a step."""
+        if name not in self._cache:
+            self._cache[name] = compute()
+        return self._cache[name]
+
     def param_grad_squares(self) -> torch.Tensor | None:
         """‖p.grad‖² per parameter (``groups.params`` order, 0 without a gradient), computed
         once per step; None when no parameter has a gradient."""

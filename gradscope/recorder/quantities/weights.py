@@ -32,16 +32,12 @@ from gradscope.table.keys import Key
 
 def _sizes(ctx) -> np.ndarray:
     """Elements per parameter group (global sizes for DTensors), once per step."""
-    if "group_sizes" not in ctx._cache:
-        ctx._cache["group_sizes"] = ctx.groups.host_sums([p.numel() for p in ctx.groups.params])
-    return ctx._cache["group_sizes"]
+    return ctx.once("group_sizes", lambda: ctx.groups.host_sums([p.numel() for p in ctx.groups.params]))
 
 
 def _param_norms(ctx) -> torch.Tensor:
     """‖θ‖ per parameter group, once per step."""
-    if "param_norms" not in ctx._cache:
-        ctx._cache["param_norms"] = ctx.groups.group_norms([p.detach() for p in ctx.groups.params])
-    return ctx._cache["param_norms"]
+    return ctx.once("param_norms", lambda: ctx.groups.group_norms([p.detach() for p in ctx.groups.params]))
 
 
 class ParamNorm(Quantity):
@@ -134,9 +130,10 @@ class AdamVSqrtMax(AdamVSqrtMean):
 def _adam_v_stats(ctx) -> tuple[list[Key], torch.Tensor] | None:
     """(keys of the groups with state, (2, groups) mean and max of √v), once per step; None
     when there is nothing to read (no optimizer, no state yet, not an Adam)."""
-    if "adam_v" in ctx._cache:
-        return ctx._cache["adam_v"]
-    ctx._cache["adam_v"] = None
+    return ctx.once("adam_v", lambda: _read_adam_v(ctx))
+
+
+def _read_adam_v(ctx) -> tuple[list[Key], torch.Tensor] | None:
     opt = stepping_optimizer(ctx.optimizer) if ctx.optimizer is not None else None
     if opt is None:  # (as update_ratio: no optimizer given, no rows; the description says it needs one)
         return None
@@ -170,8 +167,7 @@ def _adam_v_stats(ctx) -> tuple[list[Key], torch.Tensor] | None:
     largest = (member * full[1]).amax(dim=1)  # (√v ≥ 0: a non-member's 0 never wins)
     at = np.flatnonzero(sizes > 0)
     keys = ctx.groups.keys("adam_v")
-    ctx._cache["adam_v"] = ([keys[i] for i in at.tolist()], torch.stack([mean, largest])[:, torch.as_tensor(at, device=device)])
-    return ctx._cache["adam_v"]
+    return [keys[i] for i in at.tolist()], torch.stack([mean, largest])[:, torch.as_tensor(at, device=device)]
 
 
 class SpectralNorm(Quantity):
