@@ -34,7 +34,7 @@ import pandas as pd
 import torch
 from tqdm.auto import tqdm
 
-from analyses.runner import Analysis, finish, session
+from analyses.runner import Analysis, finish, run, session
 from analyses.runs import Bench, RunSpec, Trained, TrainRequest
 from gradscope.table import make_frame
 from gradscope.train.history import LOOP_QUANTITIES
@@ -190,11 +190,8 @@ def run_all(analyses: Sequence[Analysis], args: argparse.Namespace) -> dict[str,
                     raise
         bar.close()
     for analysis, ok in zip(analyses, apart):
-        if not ok:  # (keeps state on itself: runs here)
+        if not ok:  # (keeps state on itself: runs here, as `python -m analyses.<name>` runs it)
             start = time.perf_counter()
-            with session(args, type(analysis).name) as device:
-                bench = Bench(task=analysis.task(args.seed), device=device, batch_size=analysis.preset.batch_size,
-                              seed=args.seed, progress=not args.no_progress)
-                finish(analysis, [f for spec in analysis.plan() for f in analysis.collect(spec, bench)], args)
+            run(type(analysis), args)
             seconds[type(analysis).name] = time.perf_counter() - start
     return seconds
