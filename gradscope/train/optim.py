@@ -51,11 +51,22 @@ class LRFactor:
         return lr_factor(epoch + 1, self.warmup, self.schedule)
 
 
+FUSED_DEVICES = ("cpu", "cuda")
+
+
 def make_optimizer(model: nn.Module, config: TrainConfig) -> torch.optim.Adam:
-    """Adam over the trainable parameters with the config's lr, betas, eps and weight decay."""
+    """Adam over the trainable parameters with the config's lr, betas, eps and weight decay.
+
+    The fused implementation (one kernel over every tensor) where all parameters are
+    floating point on the CPU or a CUDA device: the same update as the per-tensor loop up to
+    float rounding (an ulp per step), and on the CPU about 4× faster at the deep presets'
+    ~760 small tensors (41 → 9 ms a step at ``default``'s 18L-18L, where the per-tensor loop
+    was 15 % of the step; issue 49).
+    """
     params = [p for p in model.parameters() if p.requires_grad]
+    fused = bool(params) and all(p.device.type in FUSED_DEVICES and p.is_floating_point() for p in params)
     return torch.optim.Adam(params, lr=config.lr, betas=config.betas, eps=config.eps,
-                            weight_decay=config.weight_decay)
+                            weight_decay=config.weight_decay, fused=fused or None)
 
 
 def make_scheduler(optimizer: torch.optim.Optimizer, config: TrainConfig) -> torch.optim.lr_scheduler.LambdaLR:
