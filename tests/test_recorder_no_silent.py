@@ -166,7 +166,7 @@ def test_qwen3_per_head_norms_do_not_hide_the_cosine_stack():
 
 def test_a_stack_that_changes_width_warns_instead_of_a_silent_gap():
     pytest.importorskip("transformers")
-    from test_recorder_published import build
+    from published_rules import build
 
     model, run = build("wav2vec2_stable")  # a convolutional feature encoder: a stack whose outputs change shape
     with pytest.warns(UserWarning, match=r"no cosine rows for stack\(s\) \['wav2vec2.feature_extractor.conv_layers'\]"):
