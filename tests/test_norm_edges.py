@@ -1,7 +1,9 @@
 """Eagerly, the gradient through a hand-written norm alone is read on the autograd edges from
 the norm's own nodes into its input (capture/norm_edges.py): the norm runs once per call, the
 rows equal autograd through the norm alone, and training is bit-identical to a plain copy's.
-A norm whose graph is too long to walk is run again alone instead, and is as exact."""
+A norm whose graph is too long to walk is run again alone instead, and is as exact. So are
+torch's ``nn.RMSNorm`` and gradscope's ScaleNorm eagerly in fp32 (whose closed form is kept
+for traced calls)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 import gradscope
+from gradscope.models.norms import ScaleNorm
 from recorder_ref import norm_gains, site_gradients
 
 D, T, B = 32, 6, 3
@@ -54,12 +57,40 @@ class Net(nn.Module):
         return ((self.n_out(h) - target) ** 2).mean()
 
 
+class CountedTorchRMSNorm(nn.RMSNorm):
+    """torch's RMSNorm (a closed form is known for it), counting its forward calls."""
+
+    def __init__(self, d: int):
+        super().__init__(d, eps=1e-6)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+class CountedScaleNorm(ScaleNorm):
+    """gradscope's ScaleNorm (g·x/max(‖x‖, eps), a closed form is known), counting its calls."""
+
+    def __init__(self, d: int):
+        super().__init__(d)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return super().forward(x)
+
+
+COUNTED = (CountedRMSNorm, CountedTorchRMSNorm, CountedScaleNorm)
+
+
 def _norms(model):
-    return {n: m for n, m in model.named_modules() if isinstance(m, CountedRMSNorm)}
+    return {n: m for n, m in model.named_modules() if isinstance(m, COUNTED)}
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-@pytest.mark.parametrize("norm", [CountedRMSNorm, LoopRMSNorm], ids=["walked", "too_long_to_walk"])
+@pytest.mark.parametrize("norm", [CountedRMSNorm, LoopRMSNorm, CountedTorchRMSNorm, CountedScaleNorm],
+                         ids=["walked", "too_long_to_walk", "torch_rmsnorm", "scalenorm"])
 def test_norm_rows_are_exact_the_norm_runs_once_when_walked_and_training_is_unchanged(norm, precision):
     torch.manual_seed(0)
     model = Net(norm)
@@ -87,7 +118,7 @@ def test_norm_rows_are_exact_the_norm_runs_once_when_walked_and_training_is_unch
                 loss = model(x, target)
             loss.backward()
         ran = {n: m.calls - calls[n] for n, m in _norms(model).items()}
-        assert ran == {n: 1 if norm is CountedRMSNorm else 2 for n in ran}, ran  # run again only when not walked
+        assert ran == {n: 2 if norm is LoopRMSNorm else 1 for n in ran}, ran  # run again only when not walked
         with cast:
             loss_plain = plain(x, target)
         loss_plain.backward()

@@ -375,7 +375,7 @@ class Capture:
         wsig = self.want_wsig and not recompute
         # a closed form read from bf16/fp16 tensors is not exact (up to 5e-3 off); w/σ of a norm of unknown form is fitted
         exact = x.dtype in (torch.float32, torch.float64) and y.dtype in (torch.float32, torch.float64)
-        alone = grad and (kind == "fit" or (not exact and kind in ("rms", "scale")))  # run again alone (norm_alone.py)
+        alone = grad and (kind == "fit" or (kind in ("rms", "scale") and (not exact or not w.traced)))  # norm_alone.py
         fit = fit_norm(module, x, y) if kind == "fit" and wsig and exact else None
         slot = self.n_taps + j * self.K + c
         if fit is not None and not recompute:

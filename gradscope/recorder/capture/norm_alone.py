@@ -2,10 +2,11 @@
 
 ``act_grad_norm`` at a norm's input (``<norm>.in``) and ``ln_gain`` need ∂loss/∂x through
 the norm alone, not the input's whole gradient, which adds the residual branch's. For
-``nn.LayerNorm`` a tap on the input gives it; for ``nn.RMSNorm`` and ScaleNorm a closed form
-(:func:`~gradscope.recorder.numerics.norm_stats.isolated_grad`). Any other norm (nanoGPT's
-``LayerNorm`` over ``F.layer_norm``, HF's ``LlamaRMSNorm``, Gemma's x·(1+w), one written in a
-notebook), and RMSNorm or ScaleNorm called on bf16/fp16 tensors, is run again on the call's
+``nn.LayerNorm`` a tap on the input gives it; for ``nn.RMSNorm`` and ScaleNorm traced by Dynamo,
+a closed form (:func:`~gradscope.recorder.numerics.norm_stats.isolated_grad`). Any other norm
+(nanoGPT's ``LayerNorm`` over ``F.layer_norm``, HF's ``LlamaRMSNorm``, Gemma's x·(1+w), one
+written in a notebook), RMSNorm or ScaleNorm called on bf16/fp16 tensors, and, eagerly, every
+RMSNorm and ScaleNorm (the edges below cost less than the closed form), is run again on the call's
 own input with its parameters detached (:class:`NormAlone`), and the gradient at its output
 is handed to that copy as well (:class:`~gradscope.recorder.capture.taps.JoinTap`): autograd
 itself then computes the gradient through the norm alone, exactly, whatever the norm's form,

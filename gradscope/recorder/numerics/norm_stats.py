@@ -21,8 +21,9 @@ residual stream it reads.
 The closed forms of ``nn.RMSNorm``, ScaleNorm and batch and group norms give the gradient
 through a norm alone (``ln_gain``'s numerator and the ``<norm>.in`` site) from the norm's
 input and the gradient at its output, computed in the backward of the tap on the norm's
-output (:func:`isolated_grad_sq`); every other norm is run again alone for it
-(:mod:`gradscope.recorder.capture.norm_alone`), so a fit serves w/σ only. A tap on the
+output (:func:`isolated_grad_sq`; RMSNorm and ScaleNorm only where Dynamo traces the call:
+eagerly their autograd edges are read, which costs less); every other norm is run again
+alone for it (:mod:`gradscope.recorder.capture.norm_alone`), so a fit serves w/σ only. A tap on the
 norm's input would group the gradient's summands differently from autograd when the norm
 uses its input twice (RMSNorm, ScaleNorm) and so change training in the last bit.
 
