@@ -1,22 +1,11 @@
 """The recorder on published architectures, built tiny with random weights (nothing downloaded):
-a nanoGPT written here, x-transformers, HuggingFace models from their config classes and
-``torch.nn.Transformer``.
+a nanoGPT written for the tests, x-transformers, HuggingFace models from their config classes
+and ``torch.nn.Transformer``.
 
-Expected sites come from the foreign-model rules, derived here from ``named_modules()``:
-
-- repeated blocks: an ``nn.ModuleList``/``nn.Sequential`` at path P whose >= 2 children are all
-  of one class and hold parameters (not inside another such list); sites ``P.i.in`` / ``P.i.out``.
-  When the children are containers (x-transformers' ``ModuleList([norms, block, residual])``)
-  the block is the non-container child holding parameters (``P.i.1``).
-- norms: ``nn.LayerNorm``, ``nn.RMSNorm``, ``nn.GroupNorm``, batch norms, or a leaf module whose
-  class name ends in ``Norm`` with only <= 1-D parameters; parametrizations (weight norm's
-  ``_WeightNorm``) are not activation norms. Sites ``N.in`` (gradient through the norm alone)
-  and ``N.out`` (total gradient).
-- the k-th call (k >= 2) of a module in one forward gets ``#k`` appended.
-
-References are plain autograd on tensors captured by hooks written here; parameter norms come
-from ``torch.autograd.grad`` w.r.t. the parameters. The models are in tests/published_models.py,
-the rules and references in tests/published_rules.py.
+Expected sites come from the foreign-model rules (repeated blocks, norms, the k-th call of a
+module), derived from ``named_modules()`` in tests/published_rules.py, which also holds the
+references: plain autograd on tensors captured by hooks written there, and
+``torch.autograd.grad`` w.r.t. the parameters. The models are in tests/published_models.py.
 """
 
 from __future__ import annotations
