@@ -31,7 +31,7 @@ class LiteralRMSNorm(nn.Module):
 
 
 NORMS = {"nanogpt": lambda d: NanoLayerNorm(d, bias=True), "nanogpt_nobias": lambda d: NanoLayerNorm(d, bias=False),
-         "rms_literal": LiteralRMSNorm}
+         "rms_literal": LiteralRMSNorm, "torch_rms": lambda d: nn.RMSNorm(d, eps=1e-5)}
 
 
 class Block(nn.Module):
@@ -109,6 +109,15 @@ def test_a_norm_with_a_literal_eps_gives_the_gradient_through_it(kind, compiled)
 def test_a_norm_with_a_literal_eps_under_inplace_adds_and_checkpointing(case):
     model = _model("nanogpt", inplace=case == "inplace_residual", checkpoint=case == "checkpoint")
     _check(model, torch.randn(4, 6, D), compiled=False)
+
+
+@pytest.mark.parametrize("case", ["inplace_residual", "checkpoint", "shared"])
+def test_torch_rmsnorm_read_on_its_edges_eagerly(case):
+    """nn.RMSNorm eagerly in fp32 takes the hand-written norms' path (its autograd edges, not
+    its closed form): as exact under in-place adds, checkpointing and a norm shared by blocks."""
+    model = _model("torch_rms", inplace=case == "inplace_residual", checkpoint=case == "checkpoint",
+                   shared=case == "shared")
+    _check(model, torch.randn(4, 6, D), compiled=False, shared=case == "shared")
 
 
 def test_a_norm_shared_by_three_blocks_gets_a_row_per_call():
