@@ -331,7 +331,7 @@ def test_sequence_parallel_activations_are_left_out_with_a_warning_naming_them(m
     found = measured["sp"]
     assert found["worst_group"] <= 1e-6 and {"", "layers.0.norm", "head"} <= set(found["groups"]), found
     assert len(found["warned"]) == 1, found["warned"]
-    for name in ("layers.0.norm.in", "layers.0.norm.out", "layers.1.norm"):
+    for name in ("layers.0.norm.in", "layers.0.norm.out", "layers.1.norm.in", "layers.1.norm.out"):
         assert f"'{name}'" in found["warned"][0], found["warned"]
     assert "Shard(dim=1)" in found["warned"][0]
     assert not {s for s in found["sites"] if ".norm" in s}, found["sites"]

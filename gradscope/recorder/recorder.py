@@ -1,7 +1,6 @@
 """``Recorder``: records the quantities of docs/quantities.md of a model for chosen training
 steps (usage and how the parts fit: :mod:`gradscope.recorder`). The Recorder composes the
-parts; each owns its state.
-"""
+parts; each owns its state."""
 
 from __future__ import annotations
 
@@ -143,7 +142,8 @@ class Recorder:
         self._capture.install(frozenset().union(*(q.captures for q in self._quantities.values())))
         if self._scaler_watch.scaler is not None:  # (the scale each backward ran with: capture/scaler_watch.py)
             self._capture.after_backward = self._scaler_watch.backward_ended
-        self._checks = StepChecks(model, self.layout, self._capture.sites, options.max_calls, self._capture.grad_expected)
+        cap = self._capture
+        self._checks = StepChecks(model, self.layout, cap.sites, options.max_calls, cap.grad_expected, sites_hooked=cap.sites_hooked)
         self._lr = LrSource(from_optimizer=optimizer is not None, asked="lr" in named)
         end = StepEnd(model=model, layout=self.layout, groups=self.groups, capture=self._capture,
                       scaler_watch=self._scaler_watch, checks=self._checks, quantities=self._quantities,

@@ -20,7 +20,7 @@ from gradscope.recorder.discovery.layout import Layout
 from gradscope.recorder.capture.routers import RouterCapture
 from gradscope.recorder.capture.signals import Signals
 from gradscope.recorder.capture.site_plan import fully_sharded, plan_sites
-from gradscope.recorder.capture.site_hooks import _KEYS, _LIVE, GRAD_EXPECTED, TAPPED, forget, install_site_hooks
+from gradscope.recorder.capture.site_hooks import _KEYS, _LIVE, GRAD_EXPECTED, SITE_CAPTURES, TAPPED, forget, install_site_hooks
 from gradscope.recorder.numerics.norm_stats import LOW_PRECISION, fit_norm, norm_gain, w_over_sigma
 from gradscope.recorder.capture.taps import first_tensor, in_backward, main_input, replace_first, statistic
 from gradscope.recorder.capture.writers import EagerWriter, TracedWriter
@@ -91,6 +91,7 @@ class Capture:
         self.grad_expected = plan.grad_expected  # whether a site's gradient arrives: its order mark's sign
         self._planned_under: type | None = None  # the root's class when ``begin`` last checked the plan
         self._quick_now = False  # this step takes no per-site user statistics and no cosine samples
+        self.sites_hooked = True  # the sites and norms are hooked (install: only if a quantity reads them)
         self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/capture/hookset.py)
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
         self.routers: RouterCapture | None = None  # MoE routing statistics (made by install when asked for)
@@ -99,8 +100,13 @@ class Capture:
     def install(self, captures: frozenset[str] = frozenset()) -> None:
         """Registers every hook (once per Recorder); ``captures``: what the Recorder's
         quantities may capture (the forward signals' hooks are installed only if asked for)."""
-        install_site_hooks(self.hooks, self.key, self.model, norms=list(zip(self.layout.norms, self._norm_kind)),
-                           sites=[(p, self._site_flags(i)) for i, p in enumerate(self.sites)])
+        # sites and norms hooked only for a quantity reading them (parameter gradients alone, as Lightning's
+        # grad_norm, leave the modules unhooked); an nn.LayerNorm's own hook only for w/σ (its sites hold the rest)
+        self.sites_hooked = bool(SITE_CAPTURES & captures or self.value_stats or self.grad_stats)
+        norms = [(j, n, k) for j, (n, k) in enumerate(zip(self.layout.norms, self._norm_kind))
+                 if k not in (None, "ln") or "wsig" in captures]
+        sites = [(p, self._site_flags(i)) for i, p in enumerate(self.sites)] if self.sites_hooked else []
+        install_site_hooks(self.hooks, self.key, self.model, norms=norms if self.sites_hooked else [], sites=sites)
         self.signals.install(self.hooks, attention="attention" in captures, rms="rms" in captures, logits="logits" in captures)
         if "router" in captures:
             self.routers = RouterCapture(self.model, lambda: self.on)
@@ -251,15 +257,10 @@ class Capture:
     def traced_slot(self, slot: int) -> tuple[torch.Tensor, int]:
         """Where a traced tap writes ``slot``'s gradient statistics: (collector, position).
 
-        A site's first call writes into :attr:`first_calls`, the strided view
-        ``collector[::K]`` made with the collector, at position ``site`` (a user statistic
-        ``k`` then lands at ``k·sites + site`` of the view, which is ``k·taps + slot`` of
-        the collector); a later call of a shared module writes into the collector itself.
-        The values and their places are the same either way. What changes is the compiled
-        backward: Inductor fuses the taps' padded gradients into one kernel that visits,
-        for every element of the vector they pad to, every tap writing into it. Over the whole
-        collector (``max_calls`` = 16 slots a site) that was 2400 × 150 selects at d=16, one
-        0.11 ms kernel in every recorded backward; over the view it is 150 × 150."""
+        A first call writes into :attr:`first_calls` (the view ``collector[::K]``) at position
+        ``site``, a later call of a shared module into the collector: the same values, but Inductor
+        fuses the taps' padded gradients into one kernel visiting every tap per element, 150 × 150
+        selects over the view at d=16 instead of 2400 × 150 (0.11 ms a backward) over the collector."""
         if slot % self.K:
             return self.collector, slot
         return self.first_calls, slot // self.K
@@ -359,7 +360,6 @@ class Capture:
         if not waits:
             w.values.passed_on(t, out)  # (value_sq serves only models without the promise)
         return out
-
 
     def observe_norm(self, module, args, kwargs, output, j: int, kind: str | None):
         """Statistics of one call of norm ``j`` (of kind ``kind``: norm_stats.norm_kind) from its

@@ -105,17 +105,18 @@ def _norm_pre_hook(tag: int, module, args, kwargs):
     return None
 
 
+SITE_CAPTURES = frozenset({"value", "grad", "wsig", "cosine"})  # the captures read at the sites' and norms' hooks
 RUN_ALONE_KINDS = ("fit", "rms", "scale")  # norms whose gradient through them alone may be read on their edges (norm_edges.py)
 
 
 def install_site_hooks(hooks, key: int, model, *, norms: list, sites: list) -> None:
     """Registers a Capture's permanent hooks in ``hooks`` (a :class:`~gradscope.recorder.capture.hookset.HookSet`):
-    the root's pre-hook, each norm's forward hook (``norms``: (norm, kind) pairs, before the
+    the root's pre-hook, each norm's forward hook (``norms``: (index, norm, kind) triples, before the
     site taps so that it sees the norm's raw output; and a pre-hook that notes when its call
     begins if it may be read on its own autograd edges), and each site's hook on its module's
     output or input (``sites``: (site, flags) pairs). ``key``: the Capture's in :data:`_LIVE`."""
     hooks.forward_pre(model, _root_hook(key))
-    for j, (norm, kind) in enumerate(norms):
+    for j, norm, kind in norms:
         if kind in RUN_ALONE_KINDS:
             hooks.forward_pre(norm.module, *_tagged(_norm_pre_hook, _tag(key, j)))
         hooks.forward(norm.module, *_tagged(_norm_hook, _tag(key, j, NORM_KINDS.index(kind))))

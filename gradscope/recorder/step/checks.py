@@ -33,8 +33,9 @@ class StepChecks:
     """
 
     def __init__(self, model: nn.Module, layout: Layout, sites: list[RecordedSite], max_calls: int,
-                 grad_expected: list[bool] | None = None) -> None:
+                 grad_expected: list[bool] | None = None, sites_hooked: bool = True) -> None:
         self.model, self.layout, self.sites, self.K = model, layout, sites, max_calls
+        self.sites_hooked = sites_hooked  # False: no quantity reads the sites, so no site hook fires by design
         self.grad_expected = grad_expected or [True] * len(sites)  # per point: its gradient is read when it has one
         self.warned: set[str] = set()
         self.ever_seen = False  # any hook fired in a recorded step
@@ -62,7 +63,7 @@ class StepChecks:
                            "rec.frame() and gradscope.load keep the last write of each step and quantity). Pass the "
                            "global step to rec.step(). Not reported again.")
         self.last_recorded = step if last is None else max(step, last)
-        if not self.ever_seen:  # (a walk over the parameters: only until a hook has fired)
+        if not self.ever_seen and self.sites_hooked:  # (a walk over the parameters: only until a hook has fired)
             self._grad_versions = grad_versions(self.model)
 
     def merged(self, step: int, names: list[str]) -> None:
@@ -101,7 +102,8 @@ class StepChecks:
         if sites is not self._sites_said:  # (the same slots as a step already checked: nothing new to say)
             seen = {p.name for p, c, _, _ in sites if c == 0}
             if not seen:
-                if not self.ever_seen and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
+                if (self.sites_hooked and not self.ever_seen and self._grad_versions is not None
+                        and self._grad_versions != grad_versions(self.model)):
                     raise RuntimeError(NO_HOOK_FIRED)
                 return
             self.ever_seen = True

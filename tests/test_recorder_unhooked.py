@@ -1,0 +1,78 @@
+"""A Recorder whose quantities read no site (the parameters' gradient norms and logged
+values, as Lightning's ``grad_norm`` or OLMo's logs) hooks no module but the root: the
+model's modules run their plain call path in its recorded steps, and its rows still equal
+the norms of ``p.grad`` computed here, eagerly, under accumulation and for a model compiled
+before the Recorder came."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import gradscope
+
+D = 16
+
+
+def _encoder() -> nn.Module:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(D, 2, 32, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+
+def _hooked(model: nn.Module, classes: dict[str, type]) -> list[str]:
+    """The modules other than the root with a forward hook or a class not their own."""
+    return [n for n, m in model.named_modules()
+            if n and (type(m) is not classes[n] or m._forward_hooks or m._forward_pre_hooks)]
+
+
+def _total(model: nn.Module) -> float:
+    return sum(p.grad.double().square().sum().item() for p in model.parameters() if p.grad is not None) ** 0.5
+
+
+def _run(model, rec, x, step, micro_steps=1):
+    classes = {n: type(m) for n, m in model.named_modules()}
+    with rec.step(step):
+        hooked = _hooked(model, classes)
+        for k in range(micro_steps):
+            loss = model(x[k::micro_steps]).square().mean()
+            loss.backward()
+        rec.log("loss", loss)
+    return hooked
+
+
+@pytest.mark.parametrize("quantities", [["param_grad_norm"], ["param_grad_norm", "loss", "lr"]])
+def test_parameter_norms_alone_hook_no_module_and_equal_autograd(quantities):
+    model = _encoder()
+    x = torch.randn(4, 6, D)
+    rec = gradscope.Recorder(model, quantities=quantities)
+    for step, micro in ((0, 1), (1, 2)):
+        model.zero_grad(set_to_none=True)
+        assert _run(model, rec, x, step, micro) == []
+        got = rec.frame().query("step == @step and quantity == 'param_grad_norm' and site == ''").value
+        assert len(got) == 1 and got.iloc[0] == pytest.approx(_total(model), rel=1e-6), (step, micro)
+    rec.close()
+
+
+def test_a_site_quantity_still_hooks_the_sites():
+    model = _encoder()
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm", "act_norm"])
+    hooked = _run(model, rec, torch.randn(2, 6, D), 0)
+    rec.close()
+    assert hooked, "act_norm reads the sites: their modules are hooked while the step records"
+    assert set(rec.frame().quantity) >= {"param_grad_norm", "act_norm"}
+
+
+def test_a_model_compiled_before_the_recorder_gives_parameter_norms_without_error():
+    model = _encoder()
+    run = torch.compile(model)
+    x = torch.randn(2, 6, D)
+    run(x).square().mean().backward()  # (compiled and run before any Recorder)
+    model.zero_grad(set_to_none=True)
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm"])
+    with rec.step(0):
+        run(x).square().mean().backward()
+    rec.close()
+    got = rec.frame().query("quantity == 'param_grad_norm' and site == ''").value
+    assert len(got) == 1 and got.iloc[0] == pytest.approx(_total(model), rel=1e-6)
