@@ -76,3 +76,22 @@ def test_a_model_compiled_before_the_recorder_gives_parameter_norms_without_erro
     rec.close()
     got = rec.frame().query("quantity == 'param_grad_norm' and site == ''").value
     assert len(got) == 1 and got.iloc[0] == pytest.approx(_total(model), rel=1e-6)
+
+
+def test_rows_that_wait_are_each_steps_own():
+    """No hook fires, so no step needs checking at once: after the first steps the rows wait and
+    are built when read; each still equals the norm of ``p.grad`` taken right after its step."""
+    model = _encoder()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm", "loss"])
+    x, expected = torch.randn(4, 6, D), {}
+    for step in range(6):
+        opt.zero_grad(set_to_none=True)
+        _run(model, rec, x, step)
+        expected[step] = _total(model)
+        opt.step()
+    got = rec.frame().query("quantity == 'param_grad_norm' and site == ''").set_index("step").value
+    rec.close()
+    assert sorted(got.index) == list(expected)
+    for step, want in expected.items():
+        assert got[step] == pytest.approx(want, rel=1e-6), step

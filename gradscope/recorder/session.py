@@ -94,7 +94,7 @@ class StepSession:
             if self.recording:
                 host = self.step_end.finish(step, self.wants, self.buffer, optimizer=optimizer,
                                         lr_used=self.updates.lr_used)
-                self.late.step(step, host, now=not self.checks.ever_seen)  # (until a hook fired: checked now)
+                self.late.step(step, host, now=self.checks.awaiting_hooks)  # (until a hook fired: checked now)
         finally:
             self.capture.on = False
             self.scaler_watch.end()

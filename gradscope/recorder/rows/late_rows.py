@@ -10,9 +10,9 @@ recorded steps or ``max_wait`` seconds (so that what waits stays small and a liv
 lags by seconds), and before a ``log_dir`` sink writes a part: it writes the same steps at
 the same moment as if nothing had waited, so a killed run loses no more than it did.
 
-The first recorded steps, and every step until a hook has fired, are built at once: that
-is where the Recorder finds out whether its hooks fired, and says so while the user is
-still looking. Everything the outlet receives (a step's start, its rows, rows logged
+The first recorded steps, and every step until a site's hook has fired (in a Recorder that
+hooks sites), are built at once: that is where the Recorder finds out whether its hooks
+fired, and says so while the user is still looking. Everything the outlet receives (a step's start, its rows, rows logged
 later) passes through the same queue, so sinks see the same order as before.
 """
 

@@ -43,6 +43,12 @@ class StepChecks:
         self._grad_versions: list | None = None
         self._sites_said: tuple | None = None  # the slot sites of the last step checked for silent sites
 
+    @property
+    def awaiting_hooks(self) -> bool:
+        """Whether a recorded step's rows are built at once, to say while the user looks whether
+        the hooks fired: the sites are hooked and none has fired yet."""
+        return self.sites_hooked and not self.ever_seen
+
     def warn_once(self, topic: str, message: str) -> None:
         """Warns ``gradscope: <message>`` at the user's line the first time ``topic`` comes up."""
         if topic not in self.warned:
