@@ -172,9 +172,15 @@ class WOverSigma(Quantity):
     def rows(self, data):
         out = []
         base = len(data.sites) * data.K
-        for j, norm in enumerate(data.layout.norms):
-            if norm.name in data.unfit:
-                continue
+        read = [(j, norm) for j, norm in enumerate(data.layout.norms) if norm.name not in data.unfit]
+        if data.micro_steps == 1 and read:  # (every norm at once: the loop's rows, in its order)
+            slots = (base + np.array([j for j, _ in read])[:, None] * data.K + np.arange(data.K)).ravel()
+            at = np.flatnonzero(data.order[0, slots] != 0)  # norm by norm, call by call
+            keys = data.kept_keys((self.name, tuple(at.tolist()), tuple(n.name for _, n in read)), lambda: [
+                Key(-1, n.stack, n.layer, call_name(n.name, a % data.K), self.name, None, "")
+                for a in at.tolist() for n in (read[a // data.K][1],)])
+            return list(zip(keys, data.value[0, slots[at]].tolist()))
+        for j, norm in read:
             slots = base + j * data.K + np.arange(data.K)
             got = data.order[:, slots] != 0  # (M, K)
             for c in np.flatnonzero(got.any(axis=0)).tolist():
