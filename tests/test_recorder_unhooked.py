@@ -6,6 +6,8 @@ before the Recorder came."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -95,3 +97,36 @@ def test_rows_that_wait_are_each_steps_own():
     assert sorted(got.index) == list(expected)
     for step, want in expected.items():
         assert got[step] == pytest.approx(want, rel=1e-6), step
+
+
+@pytest.mark.parametrize("evaluation", [False, True])
+def test_a_step_without_backward_gives_no_stale_gradient_rows(evaluation):
+    """No site is hooked, so no site sees that no backward ran: a step whose forward ran without
+    a backward (or under torch.no_grad) leaves ``p.grad`` as the previous step left it. Its
+    parameter rows are left out, with a warning, instead of repeating that step's norm."""
+    model = _encoder()
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm", "loss"])
+    x = torch.randn(2, 6, D)
+    _run(model, rec, x, 0)
+    with pytest.warns(UserWarning, match="no backward"):
+        with rec.step(1):
+            with torch.no_grad() if evaluation else contextlib.nullcontext():
+                loss = model(x).square().mean()
+            rec.log("loss", loss)
+        df = rec.frame()
+    rec.close()
+    grads = df[df.quantity == "param_grad_norm"]
+    assert set(grads.step) == {0}, grads
+    assert set(df[df.quantity == "loss"].step) == {0, 1}
+
+
+def test_a_step_that_only_reads_the_gradients_gives_their_rows():
+    """A recorded step with no forward inside it (around the optimizer step) reads ``p.grad`` as it is."""
+    model = _encoder()
+    model(torch.randn(2, 6, D)).square().mean().backward()
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm"])
+    with rec.step(0):
+        pass
+    got = rec.frame().query("quantity == 'param_grad_norm' and site == ''").value
+    rec.close()
+    assert len(got) == 1 and got.iloc[0] == pytest.approx(_total(model), rel=1e-6)

@@ -16,6 +16,7 @@ from gradscope.recorder.capture.cosine_rows import CosineRows
 from gradscope.recorder.capture.eager import EagerGrads, joined
 from gradscope.recorder.capture.hookset import HookSet
 from gradscope.recorder.capture.norm_alone import NormAlone
+from gradscope.recorder.capture.params import grad_versions
 from gradscope.recorder.discovery.layout import Layout
 from gradscope.recorder.capture.routers import RouterCapture
 from gradscope.recorder.capture.signals import Signals
@@ -92,6 +93,7 @@ class Capture:
         self._planned_under: type | None = None  # the root's class when ``begin`` last checked the plan
         self._quick_now = False  # this step takes no per-site user statistics and no cosine samples
         self.sites_hooked = True  # the sites and norms are hooked (install: only if a quantity reads them)
+        self.grads_moved: bool | None = None  # unhooked: whether a parameter's gradient changed in the step
         self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/capture/hookset.py)
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
         self.routers: RouterCapture | None = None  # MoE routing statistics (made by install when asked for)
@@ -144,16 +146,13 @@ class Capture:
         """Arms the hooks for one recorded step: ``captures`` names what the step's quantities
         capture (:data:`gradscope.recorder.quantities.quantity.CAPTURES`); ``stats``: take the user
         statistics."""
-        value, grad, wsig, cosine = ("value" in captures, "grad" in captures, "wsig" in captures,
-                                     "cosine" in captures)
-        attention, rms, logits = "attention" in captures, "rms" in captures, "logits" in captures
+        value, grad, wsig, cosine, attention, rms, logits = (c in captures for c in (
+            "value", "grad", "wsig", "cosine", "attention", "rms", "logits"))
         if self.device != device or self.collector is None:
             self.device = device
             self.collector = torch.zeros(self.n_collector, device=device, requires_grad=True)
-            # (eager Taps hand the collector no gradient, yet its hook still runs once per backward;
-            # it holds this Capture weakly: autograd keeps the hook from C++, where a strong
-            # reference back to the collector's owner would be a cycle no collection finds, and
-            # a Recorder dropped inside a step would leave its modules armed for good)
+            # (its hook runs once per backward, eager taps or not; it holds this Capture weakly: a strong reference
+            # from autograd's C++ back to the owner is a cycle no collection finds, leaving a dropped Recorder armed)
             self.collector.register_post_accumulate_grad_hook(partial(_collector_filled, weakref.ref(self)))
             with torch.enable_grad():  # (a step opened under no_grad still taps through it)
                 self.first_calls = self.collector[::self.K]
@@ -181,6 +180,7 @@ class Capture:
         self.recalls = [0] * self.n_counters
         self.seq = 0
         self.backwards = self.grad_forwards = self.forwards = 0
+        self.grads_moved = None if self.sites_hooked else grad_versions(self.model)  # (end compares)
         self.eager.begin()
         if attention or rms or logits:
             self.signals.begin(device, attention=attention, rms=rms, logits=logits)
@@ -202,6 +202,8 @@ class Capture:
         if not (self.snapshots and self._idle_since_snapshot()):  # (an empty last snapshot adds nothing: not taken)
             self.snapshot(backward=False)
         snapshots, self.snapshots = self.snapshots, []
+        if not self.sites_hooked:  # no site sees a backward: a parameter's gradient that changed tells one ran
+            self.grads_moved = grad_versions(self.model) != self.grads_moved
         self.eager.forget()  # the retained aliases (and the graph they hold) go now, not at the next step
         return snapshots, list(map(self.calls.get, range(self.n_counters), itertools.repeat(0)))
 
@@ -216,10 +218,9 @@ class Capture:
             if self.after_backward is not None:
                 self.after_backward()
         grads = self.collector.grad
-        # which gradients arrived (kept on the host, as arrays only when the rows are built:
-        # host_marks): eagerly, the slots handed over; a compiled backward (the collector's
-        # gradient) materialises zeros for sites it did not reach and cannot tell them, so it
-        # marks every slot REACHED_IF_TAPPED
+        # which gradients arrived (on the host, arrays only when rows are built: host_marks): eagerly, the
+        # slots handed over; a compiled backward (the collector's gradient) materialises zeros for sites it
+        # did not reach and cannot tell them, so it marks every slot REACHED_IF_TAPPED
         every = 0 if grads is None else REACHED_IF_TAPPED
         if grads is None:  # (eagerly, always: one zero vector serves, as nothing writes into it)
             grads = self._no_grads
@@ -235,11 +236,10 @@ class Capture:
         self._at_snapshot = (self.calls, sum(self.calls.values()))
 
     def _idle_since_snapshot(self) -> bool:
-        """Whether no hook counted a call since the last snapshot (the call counters are the
-        same dict with the same total: a forward starts a new one, and every site or norm call
-        counts one, traced or eager) and no gradient came (the collector's, or an eager one;
-        the caller has read the retained aliases' first): a snapshot now would hold zeros and
-        no marks, which ``micro_steps`` drops."""
+        """Whether no hook counted a call since the last snapshot (the call counters are the same dict
+        with the same total: a forward starts a new one, every site or norm call counts one, traced or
+        eager) and no gradient came (the collector's, or an eager one; the caller has read the retained
+        aliases' first): a snapshot now would hold zeros and no marks, which ``micro_steps`` drops."""
         seen, total = self._at_snapshot
         return (self.calls is seen and sum(self.calls.values()) == total and self.collector.grad is None
                 and not (self._eager_writer.holds_values() or self.eager.pending))

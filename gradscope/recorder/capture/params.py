@@ -197,3 +197,8 @@ def local(t: torch.Tensor) -> torch.Tensor:
 
         t = t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])
     return t.to_local()
+
+
+def grad_versions(model: nn.Module) -> list:
+    """(id, version) of every parameter's gradient: tells whether backward ran in a step."""
+    return [None if p.grad is None else (id(p.grad), p.grad._version) for p in model.parameters()]

@@ -12,8 +12,9 @@ the same moment as if nothing had waited, so a killed run loses no more than it 
 
 The first recorded steps, and every step until a site's hook has fired (in a Recorder that
 hooks sites), are built at once: that is where the Recorder finds out whether its hooks
-fired, and says so while the user is still looking. Everything the outlet receives (a step's start, its rows, rows logged
-later) passes through the same queue, so sinks see the same order as before.
+fired, and says so while the user is still looking. Everything the outlet receives (a
+step's start, its rows, rows logged later) passes through the same queue, so sinks see the
+same order as before.
 """
 
 from __future__ import annotations

@@ -10,6 +10,7 @@ import warnings
 
 from torch import nn
 
+from gradscope.recorder.capture.params import grad_versions
 from gradscope.recorder.discovery.layout import Layout, RecordedSite
 from gradscope.user_frames import user_stacklevel
 from gradscope.recorder.quantities.step_data import StepData
@@ -69,7 +70,7 @@ class StepChecks:
                            "rec.frame() and gradscope.load keep the last write of each step and quantity). Pass the "
                            "global step to rec.step(). Not reported again.")
         self.last_recorded = step if last is None else max(step, last)
-        if not self.ever_seen and self.sites_hooked:  # (a walk over the parameters: only until a hook has fired)
+        if self.awaiting_hooks:  # (a walk over the parameters: only until a hook has fired)
             self._grad_versions = grad_versions(self.model)
 
     def merged(self, step: int, names: list[str]) -> None:
@@ -88,7 +89,7 @@ class StepChecks:
         with no backward, sites that saw no call, stacks without cosine rows, norms whose
         gradient is not known, and modules called more often than ``max_calls``."""
         # (a forward under torch.no_grad expects no gradient; a norm's slot marks its w/σ, not a gradient)
-        if data.no_backward and (data.order[:, : data.grad_sq.shape[1]] > 0).any():
+        if data.no_backward and (not self.sites_hooked or (data.order[:, : data.grad_sq.shape[1]] > 0).any()):
             traced = not data.blocks["marks"].any()  # the compiled capture marks on the device, eager hooks on the host
             self.warn_once("no_backward", f"step {step} was recorded but no backward inside it reached the recorder's "
                            "sites, so it has no gradient rows (act_grad_norm, ln_gain, param_grad_norm, ...): call "
@@ -108,8 +109,7 @@ class StepChecks:
         if sites is not self._sites_said:  # (the same slots as a step already checked: nothing new to say)
             seen = {p.name for p, c, _, _ in sites if c == 0}
             if not seen:
-                if (self.sites_hooked and not self.ever_seen and self._grad_versions is not None
-                        and self._grad_versions != grad_versions(self.model)):
+                if self.awaiting_hooks and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
                     raise RuntimeError(NO_HOOK_FIRED)
                 return
             self.ever_seen = True
@@ -218,9 +218,3 @@ class StepChecks:
 def _listed(names: list[str], at_most: int = 6) -> str:
     """``[a, b, c]``, or ``[a, b, ...] and 7 more``."""
     return str(names) if len(names) <= at_most else f"{names[:at_most]} and {len(names) - at_most} more"
-
-
-def grad_versions(model: nn.Module) -> list:
-    """(id, version) of every parameter's gradient: tells whether backward ran in a step."""
-    return [None if p.grad is None else (id(p.grad), p.grad._version) for p in model.parameters()]
-

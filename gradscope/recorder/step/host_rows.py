@@ -72,7 +72,7 @@ def host_marks(marks: list[array], arrivals: list[Arrivals], n_taps: int) -> tup
 
 def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K: int, quantities: dict[str, Quantity],
               wants: set[str], params_unscaled: bool | None, backwards: int = 1, grad_forwards: int = 1,
-              forwards: int | None = None, call_counts: list[int] | None = None,
+              forwards: int | None = None, grads_moved: bool | None = None, call_counts: list[int] | None = None,
               value_stats: tuple[str, ...] = (),
               grad_stats: tuple[str, ...] = (), width: int = FIRST_USER, key_cache: dict | None = None,
               closed_form: frozenset[str] = frozenset()
@@ -89,7 +89,9 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K:
     saw inside the step; when the forward tapped gradients but none came, the quantities
     that read gradients have no rows (their values would be 0.0 or an earlier step's); so too
     when a forward ran but none with grad enabled (``grad_forwards``: an evaluation step
-    under ``torch.no_grad``), whose ``p.grad`` would be an earlier step's.
+    under ``torch.no_grad``), whose ``p.grad`` would be an earlier step's. A capture that hooks
+    no site (``grads_moved`` not None) tells the same by whether a parameter's gradient changed
+    in a step where a forward ran.
 
     ``closed_form``: the norms whose gradient through them alone is a closed form, which
     bf16/fp16 tensors spoil (batch and group norms): their gradient rows are left out then.
@@ -125,6 +127,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K:
     # no backward: the forward tapped gradients and none came, or every forward ran under torch.no_grad;
     # a step with no forward at all reads the gradients as they are
     no_backward = backwards == 0 and (bool((order > 0).any()) or (bool((order != 0).any()) and grad_forwards == 0))
+    if grads_moved is not None:  # (no site hooked: no order marks)
+        no_backward = not grads_moved and bool(forwards)
     if no_backward:
         gradients = {name for name, q in quantities.items() if q.needs_backward or name in grad_stats}
         wants = wants - gradients

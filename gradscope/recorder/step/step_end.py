@@ -41,6 +41,7 @@ class HostStep:
     backwards: int  # backwards the capture saw in the step
     grad_forwards: int  # forwards that ran with grad enabled
     forwards: int  # forwards, with grad or without
+    grads_moved: bool | None = None  # unhooked capture: whether a parameter's gradient changed in the step
 
 
 class StepEnd:
@@ -90,7 +91,7 @@ class StepEnd:
             values = buffer.transfer()  # the one host transfer of this step
         return HostStep(values, [s.marks for s in snapshots], [s.arrivals for s in snapshots], wants, calls,
                         self.scaler_watch.params_unscaled(self.checks.warn_once), capture.backwards,
-                        capture.grad_forwards, capture.forwards)
+                        capture.grad_forwards, capture.forwards, capture.grads_moved)
 
     def rows(self, step: int, host: HostStep) -> tuple[list, np.ndarray]:
         """The rows of one recorded step from its host values (:class:`LateRows` calls it)."""
@@ -100,7 +101,8 @@ class StepEnd:
         keys, values, data = step_rows(keys, values, blocks, layout=self.layout, sites=capture.sites, K=capture.K,
                                        quantities=self.quantities, wants=host.wants,
                                        params_unscaled=host.params_unscaled, backwards=host.backwards,
-                                       grad_forwards=host.grad_forwards, forwards=host.forwards, call_counts=host.calls,
+                                       grad_forwards=host.grad_forwards, forwards=host.forwards, grads_moved=host.grads_moved,
+                                       call_counts=host.calls,
                                        value_stats=self.value_stats, grad_stats=self.grad_stats, width=capture.width,
                                        key_cache=self._key_cache, closed_form=capture.closed_form)
         self.checks.after(step, data, host.calls, host.wants)
