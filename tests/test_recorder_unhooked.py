@@ -7,6 +7,7 @@ before the Recorder came."""
 from __future__ import annotations
 
 import contextlib
+import warnings
 
 import pytest
 import torch
@@ -130,3 +131,26 @@ def test_a_step_that_only_reads_the_gradients_gives_their_rows():
     got = rec.frame().query("quantity == 'param_grad_norm' and site == ''").value
     rec.close()
     assert len(got) == 1 and got.iloc[0] == pytest.approx(_total(model), rel=1e-6)
+
+
+@pytest.mark.parametrize("zero", ["none", "set_to_none", "zeros"])
+def test_a_backward_into_gradients_kept_from_before_is_seen(zero):
+    """The step's backward is told by its gradients whatever the loop does with them between
+    steps: set to None (new tensors), zeroed in place, or kept (accumulated into, the same tensors
+    written again): every step has its rows, equal to ``p.grad``'s norm then."""
+    model = _encoder()
+    x = torch.randn(2, 6, D)
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm"])
+    want = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # (no "no backward" warning)
+        for step in range(3):
+            if zero != "none":
+                model.zero_grad(set_to_none=zero == "set_to_none")
+            _run(model, rec, x, step)
+            want[step] = _total(model)
+    got = rec.frame().query("quantity == 'param_grad_norm' and site == ''").set_index("step").value
+    rec.close()
+    assert sorted(got.index) == [0, 1, 2]
+    for step, value in want.items():
+        assert got[step] == pytest.approx(value, rel=1e-6), step

@@ -138,12 +138,12 @@ class Recorder:
         masks = functools.partial(token_masks, model, [s.name for s in self.layout.stacks], positional_names(model))
         self._capture = Capture(model, self.layout, options.max_calls, masks,
                                 value_stats=[self._quantities[n].site_value for n in value_stats],
-                                grad_stats=[self._quantities[n].site_grad for n in grad_stats])
+                                grad_stats=[self._quantities[n].site_grad for n in grad_stats], groups=self.groups)
         self._capture.install(frozenset().union(*(q.captures for q in self._quantities.values())))
         if self._scaler_watch.scaler is not None:  # (the scale each backward ran with: capture/scaler_watch.py)
             self._capture.after_backward = self._scaler_watch.backward_ended
         cap = self._capture
-        self._checks = StepChecks(model, self.layout, cap.sites, options.max_calls, cap.grad_expected, sites_hooked=cap.sites_hooked)
+        self._checks = StepChecks(self.groups, self.layout, cap.sites, options.max_calls, cap.grad_expected, sites_hooked=cap.sites_hooked)
         self._lr = LrSource(from_optimizer=optimizer is not None, asked="lr" in named)
         end = StepEnd(model=model, layout=self.layout, groups=self.groups, capture=self._capture,
                       scaler_watch=self._scaler_watch, checks=self._checks, quantities=self._quantities,

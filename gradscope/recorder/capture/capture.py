@@ -16,7 +16,7 @@ from gradscope.recorder.capture.cosine_rows import CosineRows
 from gradscope.recorder.capture.eager import EagerGrads, joined
 from gradscope.recorder.capture.hookset import HookSet
 from gradscope.recorder.capture.norm_alone import NormAlone
-from gradscope.recorder.capture.params import grad_versions
+from gradscope.recorder.capture.params import GradsSeen, ParamGroups, grads_seen
 from gradscope.recorder.discovery.layout import Layout
 from gradscope.recorder.capture.routers import RouterCapture
 from gradscope.recorder.capture.signals import Signals
@@ -39,14 +39,14 @@ class Capture:
             forward-buffer channels from ``FIRST_USER`` on, ``site_value_size`` of them each.
         grad_stats: user statistics of a site's gradient (``site_grad``): collector slots
             ``slot + (k + 1)·n_taps``.
+        groups: the model's parameters (read where no site is hooked, to tell a backward).
     """
 
     def __init__(self, model: nn.Module, layout: Layout, max_calls: int, token_masks, value_stats: tuple = (),
-                 grad_stats: tuple = ()) -> None:
-        self.model, self.layout, self.K, self.token_masks = model, layout, max_calls, token_masks
-        # Every hook reads this Capture as ``_LIVE[key]``: traced by Dynamo, that is one source
-        # for all hooks, so the compiled graph is guarded on the capture's state once rather
-        # than once per hook through each hook's closure (≈7000 guards fewer for 180 hooks).
+                 grad_stats: tuple = (), *, groups: ParamGroups) -> None:
+        self.model, self.layout, self.K, self.token_masks, self.groups = model, layout, max_calls, token_masks, groups
+        # Every hook reads this Capture as ``_LIVE[key]``: traced by Dynamo, one source for all hooks, so the
+        # graph is guarded on its state once, not per hook's closure (≈7000 guards fewer for 180 hooks)
         self.key = next(_KEYS)
         _LIVE[self.key] = self
         self.sites = list(layout.sites)
@@ -61,8 +61,7 @@ class Capture:
         self.on = False
         self.want_value = self.want_grad = self.want_wsig = self.want_cosine = False
         self.n_counters = len(self.sites) + len(layout.norms)
-        # calls of each counter in this forward (a dict, empty when a forward begins: Dynamo
-        # guards its keys once, where a list's items would be guarded one by one)
+        # calls of each counter in this forward (a dict, empty when a forward begins: Dynamo guards its keys once)
         self.calls: dict[int, int] = {}
         self.recalls = [0] * self.n_counters
         self.seq = 0
@@ -94,6 +93,7 @@ class Capture:
         self._quick_now = False  # this step takes no per-site user statistics and no cosine samples
         self.sites_hooked = True  # the sites and norms are hooked (install: only if a quantity reads them)
         self.grads_moved: bool | None = None  # unhooked: whether a parameter's gradient changed in the step
+        self._grads_seen: GradsSeen | None = None  # unhooked: the gradients when the step began
         self.hooks = HookSet(armed=False, root=model)  # armed only while a step records (recorder/capture/hookset.py)
         self.signals = Signals(model, layout, lambda: self.on)  # attention, sub-layer RMS and output-logit signals
         self.routers: RouterCapture | None = None  # MoE routing statistics (made by install when asked for)
@@ -180,7 +180,7 @@ class Capture:
         self.recalls = [0] * self.n_counters
         self.seq = 0
         self.backwards = self.grad_forwards = self.forwards = 0
-        self.grads_moved = None if self.sites_hooked else grad_versions(self.model)  # (end compares)
+        self._grads_seen = None if self.sites_hooked else grads_seen(self.groups.params)  # (end compares)
         self.eager.begin()
         if attention or rms or logits:
             self.signals.begin(device, attention=attention, rms=rms, logits=logits)
@@ -203,7 +203,7 @@ class Capture:
             self.snapshot(backward=False)
         snapshots, self.snapshots = self.snapshots, []
         if not self.sites_hooked:  # no site sees a backward: a parameter's gradient that changed tells one ran
-            self.grads_moved = grad_versions(self.model) != self.grads_moved
+            self.grads_moved = self._grads_seen.changed()
         self.eager.forget()  # the retained aliases (and the graph they hold) go now, not at the next step
         return snapshots, list(map(self.calls.get, range(self.n_counters), itertools.repeat(0)))
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import operator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -199,6 +200,30 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local()
 
 
-def grad_versions(model: nn.Module) -> list:
-    """(id, version) of every parameter's gradient: tells whether backward ran in a step."""
-    return [None if p.grad is None else (id(p.grad), p.grad._version) for p in model.parameters()]
+@dataclass
+class GradsSeen:
+    """The parameters' gradients at one moment (:func:`grads_seen`), to tell later whether a
+    backward changed one (:meth:`changed`) without walking the module tree again."""
+
+    params: list[nn.Parameter]
+    grads: list[torch.Tensor | None]
+    versions: list[int | None] | None  # None: every gradient was None (the usual start of a step)
+
+    def changed(self) -> bool:
+        """Whether a gradient is another tensor now, or the same one written since."""
+        now = list(map(_GRAD, self.params))
+        if self.versions is None:
+            return any(map(operator.is_not, now, itertools.repeat(None)))
+        return (not all(map(operator.is_, now, self.grads))
+                or [None if g is None else g._version for g in now] != self.versions)
+
+
+def grads_seen(params: list[nn.Parameter]) -> GradsSeen:
+    """The gradients of ``params`` now (≈ 0.3 µs a parameter; a walk of the module tree, as
+    ``model.parameters()`` does, costs ≈ 1 ms at d=16 with 534 modules)."""
+    grads = list(map(_GRAD, params))
+    none = not any(map(operator.is_not, grads, itertools.repeat(None)))
+    return GradsSeen(params, grads, None if none else [None if g is None else g._version for g in grads])
+
+
+_GRAD = operator.attrgetter("grad")

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import warnings
 
-from torch import nn
 
-from gradscope.recorder.capture.params import grad_versions
+from gradscope.recorder.capture.params import GradsSeen, ParamGroups, grads_seen
 from gradscope.recorder.discovery.layout import Layout, RecordedSite
 from gradscope.user_frames import user_stacklevel
 from gradscope.recorder.quantities.step_data import StepData
@@ -27,21 +26,21 @@ class StepChecks:
     """The warnings (once per topic) and errors of one Recorder's recorded steps.
 
     Args:
-        model: the recorded model (its gradients tell whether backward ran).
+        groups: the recorded model's parameters (their gradients tell whether backward ran).
         layout: its sites, norms and stacks.
         sites: the probed sites, in the capture's order.
         max_calls: slots per site (the capture's K).
     """
 
-    def __init__(self, model: nn.Module, layout: Layout, sites: list[RecordedSite], max_calls: int,
+    def __init__(self, groups: ParamGroups, layout: Layout, sites: list[RecordedSite], max_calls: int,
                  grad_expected: list[bool] | None = None, sites_hooked: bool = True) -> None:
-        self.model, self.layout, self.sites, self.K = model, layout, sites, max_calls
+        self.groups, self.layout, self.sites, self.K = groups, layout, sites, max_calls
         self.sites_hooked = sites_hooked  # False: no quantity reads the sites, so no site hook fires by design
         self.grad_expected = grad_expected or [True] * len(sites)  # per point: its gradient is read when it has one
         self.warned: set[str] = set()
         self.ever_seen = False  # any hook fired in a recorded step
         self.last_recorded: int | None = None  # the highest step recorded so far
-        self._grad_versions: list | None = None
+        self._grads_seen: GradsSeen | None = None  # when the last recorded step began, until a hook fired
         self._sites_said: tuple | None = None  # the slot sites of the last step checked for silent sites
 
     @property
@@ -71,7 +70,7 @@ class StepChecks:
                            "global step to rec.step(). Not reported again.")
         self.last_recorded = step if last is None else max(step, last)
         if self.awaiting_hooks:  # (a walk over the parameters: only until a hook has fired)
-            self._grad_versions = grad_versions(self.model)
+            self._grads_seen = grads_seen(self.groups.params)
 
     def merged(self, step: int, names: list[str]) -> None:
         """Warns (once) that ``names``, site statistics of the user's, have no rows at slots
@@ -109,7 +108,7 @@ class StepChecks:
         if sites is not self._sites_said:  # (the same slots as a step already checked: nothing new to say)
             seen = {p.name for p, c, _, _ in sites if c == 0}
             if not seen:
-                if self.awaiting_hooks and self._grad_versions is not None and self._grad_versions != grad_versions(self.model):
+                if self.awaiting_hooks and self._grads_seen is not None and self._grads_seen.changed():
                     raise RuntimeError(NO_HOOK_FIRED)
                 return
             self.ever_seen = True
