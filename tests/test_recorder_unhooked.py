@@ -154,3 +154,26 @@ def test_a_backward_into_gradients_kept_from_before_is_seen(zero):
     assert sorted(got.index) == [0, 1, 2]
     for step, value in want.items():
         assert got[step] == pytest.approx(value, rel=1e-6), step
+
+
+def test_gradients_zeroed_inside_a_step_without_backward_give_no_zero_rows():
+    """``zero_grad(set_to_none=False)`` inside a step whose backward never runs changes every
+    gradient (a new version) to 0.0: no row says 0.0 for a gradient that never came; a warning
+    says why. A backward in the next step into those zeros gives its rows again."""
+    model = _encoder()
+    x = torch.randn(2, 6, D)
+    rec = gradscope.Recorder(model, quantities=["param_grad_norm", "loss"])
+    _run(model, rec, x, 0)
+    with pytest.warns(UserWarning, match="zero_grad"):
+        with rec.step(1):
+            model.zero_grad(set_to_none=False)
+            rec.log("loss", model(x).square().mean())
+        rec.frame()
+    _run(model, rec, x, 2)
+    want = _total(model)
+    df = rec.frame()
+    rec.close()
+    grads = df.query("quantity == 'param_grad_norm' and site == ''").set_index("step").value
+    assert sorted(grads.index) == [0, 2], grads
+    assert grads[2] == pytest.approx(want, rel=1e-6)
+    assert set(df[df.quantity == "loss"].step) == {0, 1, 2}

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import warnings
 
-
 from gradscope.recorder.capture.params import GradsSeen, ParamGroups, grads_seen
 from gradscope.recorder.discovery.layout import Layout, RecordedSite
 from gradscope.user_frames import user_stacklevel
@@ -69,7 +68,7 @@ class StepChecks:
                            "rec.frame() and gradscope.load keep the last write of each step and quantity). Pass the "
                            "global step to rec.step(). Not reported again.")
         self.last_recorded = step if last is None else max(step, last)
-        if self.awaiting_hooks:  # (a walk over the parameters: only until a hook has fired)
+        if self.awaiting_hooks:  # (the parameters' gradients read: only until a hook has fired)
             self._grads_seen = grads_seen(self.groups.params)
 
     def merged(self, step: int, names: list[str]) -> None:
@@ -91,7 +90,10 @@ class StepChecks:
         if data.no_backward and (not self.sites_hooked or (data.order[:, : data.grad_sq.shape[1]] > 0).any()):
             traced = not data.blocks["marks"].any()  # the compiled capture marks on the device, eager hooks on the host
             self.warn_once("no_backward", f"step {step} was recorded but no backward inside it reached the recorder's "
-                           "sites, so it has no gradient rows (act_grad_norm, ln_gain, param_grad_norm, ...): call "
+                           + ("sites" if self.sites_hooked else "parameters (this Recorder reads no site: a parameter's "
+                              "gradient must change in the step and not be all 0.0, as zero_grad(set_to_none=False) "
+                              "leaves it)")
+                           + ", so it has no gradient rows (act_grad_norm, ln_gain, param_grad_norm, ...): call "
                            "loss.backward() inside `with rec.step(step):` (or before rec.end_step()); or a backward "
                            "given inputs= (loss.backward(inputs=[...])) stopped before every site"
                            + (", which under torch.compile is any backward given inputs=: the compiled capture's "

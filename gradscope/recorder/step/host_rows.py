@@ -90,8 +90,8 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K:
     that read gradients have no rows (their values would be 0.0 or an earlier step's); so too
     when a forward ran but none with grad enabled (``grad_forwards``: an evaluation step
     under ``torch.no_grad``), whose ``p.grad`` would be an earlier step's. A capture that hooks
-    no site (``grads_moved`` not None) tells the same by whether a parameter's gradient changed
-    in a step where a forward ran.
+    no site (``grads_moved`` not None) tells the same, in a step where a forward ran, by whether
+    a parameter's gradient changed and is not all 0.0.
 
     ``closed_form``: the norms whose gradient through them alone is a closed form, which
     bf16/fp16 tensors spoil (batch and group norms): their gradient rows are left out then.
@@ -127,8 +127,10 @@ def step_rows(keys: list, values: np.ndarray, blocks: dict, *, layout, sites, K:
     # no backward: the forward tapped gradients and none came, or every forward ran under torch.no_grad;
     # a step with no forward at all reads the gradients as they are
     no_backward = backwards == 0 and (bool((order > 0).any()) or (bool((order != 0).any()) and grad_forwards == 0))
-    if grads_moved is not None:  # (no site hooked: no order marks)
-        no_backward = not grads_moved and bool(forwards)
+    if grads_moved is not None:  # (no site hooked: no order marks) no gradient changed, or every one is 0.0 (a
+        # zero_grad(set_to_none=False) with no backward after it), or every forward ran under torch.no_grad
+        zeroed = any(k.site == "" and v == 0.0 for k, v in collected.get("param_grad_norm", ()))
+        no_backward = bool(forwards) and (not grads_moved or zeroed or grad_forwards == 0)
     if no_backward:
         gradients = {name for name, q in quantities.items() if q.needs_backward or name in grad_stats}
         wants = wants - gradients
